@@ -1,0 +1,487 @@
+"""Data-parallel step builders: shard_map over a mesh, with state placement done for you.
+
+Placement rule. Inside ``jax.shard_map(check_vma=True)`` JAX types every value
+as *invariant* (the same on every worker) or *varying* over an axis. The
+functions here trace one optimizer update abstractly and read that type off
+each state leaf: invariant leaves (counters, momentum after an all-reduce,
+PowerSGD's ``q``) are stored once and placed replicated, ``P()``; varying leaves
+(error-feedback residuals, per-worker keys, per-worker parameters) are stacked
+along a new leading axis of size ``n`` and placed ``P(axis_name)``, so worker
+``i`` holds row ``i``. Users write no PartitionSpec for optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxopt_dist._src import base, comm
+
+P = jax.sharding.PartitionSpec
+
+
+def _names(axis_name: base.AxisName) -> tuple[Any, ...]:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> int:
+    names = _names(axis_name)
+    missing = [a for a in names if a not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"The mesh has axes {tuple(mesh.shape)} but `axis_name`={axis_name!r} names "
+            f"{missing!r}. Build the mesh with that axis, e.g. jax.make_mesh((n,), ({names[0]!r},))."
+        )
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def _spec(axis_name: base.AxisName) -> P:
+    names = _names(axis_name)
+    return P(names if len(names) > 1 else names[0])
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def _stack_abstract(tree: Any, n: int, sharding: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding), tree)
+
+
+def _unstack(tree: Any, mask: Any) -> Any:
+    return jax.tree.map(lambda x, m: x[0] if m else x, tree, mask)
+
+
+def _restack(tree: Any, mask: Any) -> Any:
+    return jax.tree.map(lambda x, m: x[None] if m else x, tree, mask)
+
+
+def _dummy_extras(params: Any, axis_name: base.AxisName) -> dict[str, Any]:
+    """Line-search extra args with the types a real step gives (a varying loss)."""
+
+    def value_fn(p):
+        z = sum((jnp.sum(x) * 0).astype(jnp.float32) for x in jax.tree.leaves(p))
+        return comm.to_varying(jnp.asarray(z, jnp.float32), axis_name)
+
+    return {"value": value_fn(params), "value_fn": value_fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each leaf of an optimizer state lives on the data axis.
+
+    Attributes:
+      per_worker: pytree of bools like the (local) state: True for leaves that
+        differ between workers (stored stacked, leading axis = worker).
+      updates_per_worker: whether the transform's output updates differ
+        between workers (then parameters must be per-worker).
+    """
+
+    per_worker: Any
+    updates_per_worker: bool
+
+
+def _trace_placement(
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName,
+    per_worker_params: bool,
+) -> Placement:
+    """Fixed point of the invariant/varying typing of the state through one update."""
+    n = _mesh_axis_size(mesh, axis_name)
+    spec = _spec(axis_name)
+    sharded = jax.sharding.NamedSharding(mesh, spec)
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    p_local = _abstract(params)
+    s_local = jax.eval_shape(tx.init, p_local)
+    s_leaves, s_def = jax.tree.flatten(s_local)
+    varying = [False] * len(s_leaves)
+    updates_varying = False
+    for _ in range(len(s_leaves) + 2):
+        record: dict[str, Any] = {}
+        mask = jax.tree.unflatten(s_def, varying)
+
+        def body(p, s, g, mask=mask, record=record):
+            if per_worker_params:
+                p = jax.tree.map(lambda x: x[0], p)
+            s = _unstack(s, mask)
+            g = comm.to_varying(jax.tree.map(lambda x: x[0], g), axis_name)
+            extras = _dummy_extras(p, axis_name)
+            u, s2 = tx.update(g, s, p, **extras)
+            record["u"] = [comm.is_varying(x, axis_name) for x in jax.tree.leaves(u)]
+            record["s"] = [comm.is_varying(x, axis_name) for x in jax.tree.leaves(s2)]
+            return jnp.zeros((1,), jnp.float32)
+
+        in_p = (
+            _stack_abstract(p_local, n, sharded) if per_worker_params else _with_sharding(p_local, replicated)
+        )
+        in_s = jax.tree.map(
+            lambda x, m: (
+                jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharded)
+                if m
+                else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+            ),
+            s_local,
+            mask,
+        )
+        in_g = _stack_abstract(p_local, n, sharded)
+        p_spec = (
+            jax.tree.map(lambda _: spec, p_local)
+            if per_worker_params
+            else jax.tree.map(lambda _: P(), p_local)
+        )
+        s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
+        fn = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(p_spec, s_spec, jax.tree.map(lambda _: spec, p_local)),
+            out_specs=spec,
+            check_vma=True,
+        )
+        jax.eval_shape(fn, in_p, in_s, in_g)
+        new = [a or b for a, b in zip(varying, record["s"])]
+        updates_varying = any(record["u"])
+        if new == varying:
+            break
+        varying = new
+    return Placement(per_worker=jax.tree.unflatten(s_def, varying), updates_per_worker=updates_varying)
+
+
+def _with_sharding(tree: Any, sharding: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def opt_state_placement(
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+) -> Placement:
+    """Which leaves of ``tx``'s state are per-worker on ``mesh`` (see module doc).
+
+    Found by tracing one update abstractly under ``jax.shard_map(check_vma=True)``
+    with per-worker gradients; nothing is computed or communicated.
+
+    Args:
+      tx: the optimizer (any optax transformation, possibly a chain).
+      params: one copy of the parameters (arrays or ShapeDtypeStructs).
+      mesh: the device mesh.
+      axis_name: the data axis (or tuple of axes) of ``mesh``.
+      per_worker_params: whether parameters differ between workers.
+
+    Returns:
+      A :class:`Placement`.
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    return _trace_placement(tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params)
+
+
+def opt_state_specs(
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+) -> Any:
+    """PartitionSpecs for ``tx``'s state as laid out by :func:`init_opt_state`.
+
+    Use them as ``in_specs``/``out_specs`` of your own ``jax.shard_map``:
+    per-worker leaves are ``P(axis_name)`` with a leading worker axis (take
+    ``x[0]`` inside the map), replicated ones ``P()``.
+    """
+    placement = opt_state_placement(
+        tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
+    )
+    spec = _spec(axis_name)
+    return jax.tree.map(lambda m: spec if m else P(), placement.per_worker)
+
+
+def _place(tree: Any, mask: Any, *, mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> Any:
+    n = _mesh_axis_size(mesh, axis_name)
+    sharded = jax.sharding.NamedSharding(mesh, _spec(axis_name))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+
+    def put(x, m):
+        if m:
+            x = jnp.broadcast_to(x, (n, *np.shape(x)))
+            return jax.device_put(x, sharded)
+        return jax.device_put(x, replicated)
+
+    return jax.tree.map(put, tree, mask)
+
+
+def place_params(
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker: bool = False,
+) -> Any:
+    """Puts one copy of the parameters on ``mesh``: replicated, or one copy per worker.
+
+    With ``per_worker=True`` each leaf gets a leading axis of size ``n`` (worker
+    ``i`` owns row ``i``), as :func:`data_parallel_step` expects for transforms
+    with per-worker parameters (``average_params``, gossip).
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    mask = jax.tree.map(lambda _: per_worker, params)
+    return _place(params, mask, mesh=mesh, axis_name=axis_name)
+
+
+def init_opt_state(
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+) -> Any:
+    """Builds ``tx``'s state for data-parallel training on ``mesh``, placed.
+
+    Replicated leaves are placed ``P()``; per-worker leaves are stacked along a
+    leading axis of size ``n`` and placed ``P(axis_name)`` (see
+    :func:`opt_state_placement`). ``init`` never communicates, so every worker
+    starts from the same state.
+
+    Args:
+      tx: the optimizer.
+      params: one copy of the parameters (not stacked).
+      mesh: the device mesh.
+      axis_name: the data axis (or tuple of axes) of ``mesh``.
+      per_worker_params: whether parameters differ between workers.
+
+    Returns:
+      The placed optimizer state.
+    """
+    placement = opt_state_placement(
+        tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
+    )
+    state = tx.init(params)
+    return _place(state, placement.per_worker, mesh=mesh, axis_name=axis_name)
+
+
+@dataclasses.dataclass
+class DataParallelStep:
+    """A jitted data-parallel training step; see :func:`data_parallel_step`.
+
+    Call it as ``params, opt_state, metrics = step(params, opt_state, batch)``.
+    ``step.init(params)`` returns ``(params, opt_state)`` placed on the mesh.
+    """
+
+    loss_fn: Callable[..., Any]
+    tx: optax.GradientTransformation
+    mesh: jax.sharding.Mesh
+    axis_name: base.AxisName
+    per_worker_params: bool
+    has_aux: bool
+    donate: bool
+    _compiled: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def num_workers(self) -> int:
+        return _mesh_axis_size(self.mesh, self.axis_name)
+
+    def placement(self, params: Any) -> Placement:
+        """The state placement for one copy of ``params``."""
+        key = (
+            jax.tree.structure(params),
+            tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves(params)),
+        )
+        if key not in self._compiled:
+            placement = _trace_placement(
+                self.tx,
+                params,
+                mesh=self.mesh,
+                axis_name=self.axis_name,
+                per_worker_params=self.per_worker_params,
+            )
+            if placement.updates_per_worker and not self.per_worker_params:
+                raise ValueError(
+                    "The optimizer's updates differ between workers, so replicated parameters "
+                    "would drift apart. Either aggregate in the chain (e.g. optax.chain("
+                    "jaxopt_dist.all_reduce(), jaxopt_dist.sgd(...))), or, for transforms that "
+                    "keep per-worker parameters (average_params, gossip), pass "
+                    "per_worker_params=True."
+                )
+            self._compiled[key] = placement
+        return self._compiled[key]
+
+    def init(self, params: Any) -> tuple[Any, Any]:
+        """Places one copy of ``params`` and builds the optimizer state.
+
+        Returns:
+          ``(params, opt_state)`` ready for ``step``: params replicated, or
+          stacked per worker when ``per_worker_params``.
+        """
+        placement = self.placement(params)
+        state = _place(self.tx.init(params), placement.per_worker, mesh=self.mesh, axis_name=self.axis_name)
+        placed = place_params(
+            params, mesh=self.mesh, axis_name=self.axis_name, per_worker=self.per_worker_params
+        )
+        return placed, state
+
+    def _local_params(self, params: Any) -> Any:
+        if self.per_worker_params:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)), params)
+        return params
+
+    def _build(self, params: Any, batch: Any) -> Callable[..., Any]:
+        placement = self.placement(self._local_params(params))
+        mask = placement.per_worker
+        axis_name = self.axis_name
+        spec = _spec(axis_name)
+        p_spec = jax.tree.map(lambda _: spec if self.per_worker_params else P(), params)
+        s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
+        b_spec = jax.tree.map(lambda _: spec, batch)
+        loss_fn, tx, has_aux, per_worker = self.loss_fn, self.tx, self.has_aux, self.per_worker_params
+
+        def body(params, opt_state, batch):
+            p = jax.tree.map(lambda x: x[0], params) if per_worker else params
+            s = _unstack(opt_state, mask)
+            # Differentiate with respect to a per-worker copy: for replicated
+            # params, shard_map's autodiff would otherwise sum the gradients over
+            # the axis on its own, before the optimizer could see them.
+            p_var = comm.to_varying(p, axis_name)
+
+            def value_fn(q):
+                out = loss_fn(q, batch)
+                return out[0] if has_aux else out
+
+            if has_aux:
+                (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(p_var, batch)
+            else:
+                loss, grads = jax.value_and_grad(loss_fn)(p_var, batch)
+                aux = None
+            updates, s2 = tx.update(grads, s, p, value=loss, value_fn=value_fn)
+            new_p = optax.apply_updates(p, updates)
+            metrics = {"loss": comm.pmean(loss, axis_name)}
+            if has_aux:
+                metrics["aux"] = comm.pmean(aux, axis_name)
+            new_p = jax.tree.map(lambda x: x[None], new_p) if per_worker else new_p
+            return new_p, _restack(s2, mask), metrics
+
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(p_spec, s_spec, b_spec),
+            out_specs=(p_spec, s_spec, P()),
+            check_vma=True,
+        )
+        shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
+        in_shardings = (
+            jax.tree.map(shard, p_spec),
+            jax.tree.map(shard, s_spec),
+            jax.tree.map(shard, b_spec),
+        )
+        jitted = jax.jit(fn, donate_argnums=(0, 1) if self.donate else ())
+
+        def run(params, opt_state, batch):
+            # One device_put for the whole call: a no-op for arrays already in
+            # place, a transfer for host batches, a reshard otherwise. (jit's own
+            # in_shardings would not retype arrays for meshes with Explicit axes.)
+            params, opt_state, batch = jax.device_put((params, opt_state, batch), in_shardings)
+            return jitted(params, opt_state, batch)
+
+        return run
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        key = (
+            jax.tree.structure((params, opt_state, batch)),
+            tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves((params, batch))),
+        )
+        fn = self._compiled.get(("step", key))
+        if fn is None:
+            n = self.num_workers
+            for x in jax.tree.leaves(batch):
+                if np.ndim(x) == 0 or np.shape(x)[0] % n:
+                    raise ValueError(
+                        f"Every batch leaf needs a leading (batch) dimension divisible by the "
+                        f"{n} workers; got shape {np.shape(x)}."
+                    )
+            fn = self._build(params, batch)
+            self._compiled[("step", key)] = fn
+        return fn(params, opt_state, batch)
+
+
+def data_parallel_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+    has_aux: bool = False,
+    donate: bool = False,
+) -> DataParallelStep:
+    r"""Builds a jitted data-parallel training step over ``mesh``.
+
+    The step runs ``jax.shard_map`` with the batch split along ``axis_name``:
+    each worker computes the gradient of ``loss_fn`` on its shard, ``tx``
+    aggregates/compresses and steps (all communication happens inside ``tx``),
+    and the parameters are updated with :func:`optax.apply_updates`.
+
+    ``tx.update`` receives the line-search extra args ``value`` (this worker's
+    loss) and ``value_fn`` (params -> this worker's loss on the same shard).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux``), for one worker's shard of the batch.
+      tx: the optimizer, e.g. ``optax.chain(all_reduce(), sgd(0.1, momentum=0.9))``.
+      mesh: a mesh with the axis ``axis_name``, e.g. ``jax.make_mesh((8,), ("data",))``.
+      axis_name: the data axis (or tuple of axes).
+      per_worker_params: keep one copy of the parameters per worker (stacked
+        along a leading axis), for transforms whose updates differ between
+        workers (``average_params``, gossip). Otherwise parameters are
+        replicated, and a transform whose updates would differ is rejected.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (floats) is averaged
+        over workers into ``metrics["aux"]``.
+      donate: donate params and state buffers to the step.
+
+    Returns:
+      A :class:`DataParallelStep`: ``step(params, opt_state, batch) ->
+      (params, opt_state, metrics)`` with ``metrics["loss"]`` the loss averaged
+      over workers, and ``step.init(params) -> (params, opt_state)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> tx = optax.chain(jd.all_reduce(), jd.sgd(0.1, momentum=0.9))
+      >>> step = jd.data_parallel_step(loss, tx, mesh=mesh)
+      >>> params, opt_state = step.init(jnp.zeros(3))
+      >>> batch = {"x": jnp.ones((8 * jax.device_count(), 3)), "y": jnp.ones(8 * jax.device_count())}
+      >>> params, opt_state, metrics = step(params, opt_state, batch)
+      >>> float(metrics["loss"])
+      1.0
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable; got {loss_fn!r}.")
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"`tx` must be an optax.GradientTransformation; got {type(tx).__name__}.")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
+        )
+    _mesh_axis_size(mesh, axis_name)
+    return DataParallelStep(
+        loss_fn=loss_fn,
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        per_worker_params=bool(per_worker_params),
+        has_aux=bool(has_aux),
+        donate=bool(donate),
+    )

@@ -1,0 +1,25 @@
+"""Test configuration: 8 simulated CPU devices, set before JAX starts."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=10, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _needs_devices(request):
+    marker = request.node.get_closest_marker("devices")
+    if marker is not None and jax.device_count() < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} devices, have {jax.device_count()}")
