@@ -10,6 +10,7 @@ code path runs under ``jax.shard_map``, ``jax.pmap`` and
 from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_params, partition_leaves
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.optimizers import (
     ScaleByAdagradState,
     ScaleByAdamState,
@@ -38,6 +39,8 @@ __all__ = (
     "DEFAULT_AXIS_NAME",
     "AverageParamsState",
     "AxisName",
+    "Compressor",
+    "ErrorFeedbackState",
     "DataParallelStep",
     "Placement",
     "ScaleByAdagradState",
@@ -50,6 +53,7 @@ __all__ = (
     "all_reduce",
     "average_params",
     "data_parallel_step",
+    "error_feedback",
     "init_opt_state",
     "opt_state_placement",
     "opt_state_specs",
