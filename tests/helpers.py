@@ -217,19 +217,25 @@ def run_steps(
     """
     leaves = jax.tree.leaves(grads_seq)
     T, n = int(leaves[0].shape[0]), int(leaves[0].shape[1])
+    per_step = extra_args_fn is not None  # step-dependent extras: one compilation per step
     extra_args_fn = extra_args_fn or (lambda t, p: {})
     if backend == "vmap":
-        return _run_steps_vmap(tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn)
+        return _run_steps_vmap(
+            tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn, per_step
+        )
     if backend == "shard_map":
-        return _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn)
+        return _run_steps_shard_map(
+            tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn, per_step
+        )
     raise ValueError(f"unknown backend {backend!r}")
 
 
-def _run_steps_vmap(tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn):
+def _run_steps_vmap(tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn, per_step):
     stack = lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), t)  # noqa: E731
     p = stack(params)
     state = jax.vmap(tx.init)(p)
     all_updates = []
+    cache: dict = {}
     for t in range(T):
         g = jax.tree.map(lambda x: x[t], grads_seq)
 
@@ -237,7 +243,10 @@ def _run_steps_vmap(tx, grads_seq, params, T, n, axis_name, per_worker_params, e
             u, s = tx.update(g, s, p, **extra_args_fn(t, p))
             return u, s, optax.apply_updates(p, u)
 
-        u, state, p = jax.jit(jax.vmap(step, axis_name=axis_name))(g, state, p)
+        key = t if per_step else 0
+        if key not in cache:
+            cache[key] = jax.jit(jax.vmap(step, axis_name=axis_name))
+        u, state, p = cache[key](g, state, p)
         if not per_worker_params:
             assert_replicas_equal(u)
             assert_replicas_equal(p)
@@ -248,7 +257,7 @@ def _run_steps_vmap(tx, grads_seq, params, T, n, axis_name, per_worker_params, e
     return updates, final_p, state
 
 
-def _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn):
+def _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_params, extra_args_fn, per_step):
     mesh = make_mesh(n, axis_name)
     placement = jd.opt_state_placement(
         tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
@@ -263,6 +272,7 @@ def _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_para
     p_spec = jax.tree.map(lambda _: spec if per_worker_params else P(), params)
     u_spec = p_spec
     all_updates = []
+    cache: dict = {}
     for t in range(T):
         g = jax.device_put(jax.tree.map(lambda x: x[t], grads_seq), jax.sharding.NamedSharding(mesh, spec))
 
@@ -286,7 +296,10 @@ def _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_para
             out_specs=(u_spec, s_spec, p_spec),
             check_vma=True,
         )
-        u, state, p = jax.jit(mapped)(g, state, p)
+        key = t if per_step else 0
+        if key not in cache:
+            cache[key] = jax.jit(mapped)
+        u, state, p = cache[key](g, state, p)
         all_updates.append(u)
     updates = jax.tree.map(lambda *xs: jnp.stack(xs), *all_updates)
     full_state = jax.tree.map(lambda x, m: x if m else jnp.broadcast_to(x, (n, *x.shape)), state, mask)

@@ -174,10 +174,13 @@ def average_params(
       Every step applies the local update to all parameters.
 
     Parameters are per-worker with this transform (``data_parallel_step(...,
-    per_worker_params=True)``). After an averaging step the workers'
-    parameters agree up to the rounding of :math:`p_i + (\bar p - p_i)`,
-    which is exact whenever :math:`\bar p` and :math:`p_i` are within a
-    factor of two of each other (Sterbenz), i.e. almost always.
+    per_worker_params=True)``). After an averaging step every worker's copy is
+    within one unit in the last place of the exact average :math:`\bar p`: the
+    update :math:`\bar p - p_i` is applied by addition (optax's contract), and
+    :math:`p_i + (\bar p - p_i)` rounds back to :math:`\bar p` exactly only
+    where :math:`p_i` is within a factor of two of :math:`\bar p` (Sterbenz).
+    The gap never accumulates: each averaging step starts from the same
+    all-reduced mean.
 
     Args:
       axis_name: the mapped axis (or tuple of axes) to average over.
