@@ -312,3 +312,71 @@ def exchange_xor(tree: Any, axis_name: AxisName, mask: int, *, caller: str | Non
 def tree_bytes(tree: Any) -> int:
     """Bytes held by the leaves of ``tree`` (arrays or ShapeDtypeStructs)."""
     return int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+# ----------------------------------------------------------------------------
+# compress_a (sparsifiers and quantizers): one all-gather for arrays of mixed dtypes.
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+    """The bytes of ``x`` (any numeric dtype) as a flat uint8 vector, in memory order."""
+    x = jnp.ravel(x)
+    if jnp.dtype(x.dtype) == jnp.bool_:
+        raise TypeError("all_gather_packed does not carry bool arrays; pack them with jnp.packbits first.")
+    if jnp.dtype(x.dtype).itemsize == 1:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.uint8))
+
+
+def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Inverse of :func:`_to_bytes` on a batch: ``b`` is uint8 ``(n, size * itemsize)``."""
+    dtype = jnp.dtype(dtype)
+    n = b.shape[0]
+    size = math.prod(shape)
+    if dtype.itemsize == 1:
+        x = jax.lax.bitcast_convert_type(b, dtype)
+    else:
+        x = jax.lax.bitcast_convert_type(b.reshape(n, size, dtype.itemsize), dtype)
+    return x.reshape((n, *shape))
+
+
+def packed_nbytes(arrays: Sequence[Any]) -> int:
+    """Bytes of the buffer :func:`all_gather_packed` sends for ``arrays`` (arrays or ShapeDtypeStructs)."""
+    return int(sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize for x in arrays))
+
+
+def all_gather_packed(
+    arrays: Sequence[jax.Array], axis_name: AxisName, *, caller: str | None = None
+) -> list[jax.Array]:
+    """Gathers several arrays of any shapes and numeric dtypes with ONE all-gather.
+
+    The arrays are bitcast to bytes and concatenated into a single uint8 buffer
+    of ``B = sum(size * itemsize)`` bytes (:func:`packed_nbytes`); that buffer
+    is all-gathered (each worker sends ``B`` bytes and receives the other
+    workers' ``(n - 1) B``) and split back. Bitcasts are exact, so values
+    arrive bit for bit.
+
+    Args:
+      arrays: this worker's arrays (not bool: pack bits with ``jnp.packbits``).
+      axis_name: axis (or tuple of axes) to gather over.
+      caller: names the transform in the unbound-axis error.
+
+    Returns:
+      One array per input, shaped ``(n, *shape)`` in worker order (row ``i``
+      is worker ``i``'s array), in the input dtype, the same on every worker
+      (typed invariant under shard_map).
+    """
+    n = axis_size(axis_name, caller=caller)
+    arrays = list(arrays)
+    if not arrays:
+        return []
+    buffer = jnp.concatenate([_to_bytes(x) for x in arrays])
+    gathered = all_gather(buffer, axis_name, caller=caller)  # uint8[n, B]
+    out = []
+    offset = 0
+    for x in arrays:
+        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        out.append(_from_bytes(gathered[:, offset : offset + nbytes], tuple(x.shape), x.dtype))
+        offset += nbytes
+    assert gathered.shape[0] == n
+    return out

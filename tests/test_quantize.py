@@ -1,0 +1,525 @@
+"""Tests for sign_majority_vote, scaled_sign and qsgd (jaxopt_dist/_src/quantize.py)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxopt_dist as jd
+from jaxopt_dist._src import comm
+from jaxopt_dist._src import quantize as q
+from tests import helpers
+
+P = jax.sharding.PartitionSpec
+SHAPES = {"w": (4, 5), "b": (3,), "s": ()}  # jax.tree order: b, s, w
+NAMES = sorted(SHAPES)
+WORKERS = (1, 2, 3, 8)
+
+
+def scan_steps(tx, grads_seq, params, *, backend, axis_name="data"):
+    """``T`` steps of ``tx`` in one jit (``lax.scan``); see tests/test_sparsify.py.
+
+    Returns ``(updates (T, ...), final params, final state stacked (n, ...))``;
+    updates and params are checked bit-identical across workers (vmap) or
+    proven replicated by ``out_specs=P()`` (shard_map).
+    """
+    n = int(jax.tree.leaves(grads_seq)[0].shape[1])
+
+    def steps(gs, s, p):
+        def body(carry, g):
+            s, p = carry
+            u, s = tx.update(g, s, p)
+            return (s, optax.apply_updates(p, u)), u
+
+        (s, p), us = jax.lax.scan(body, (s, p), gs)
+        return us, p, s
+
+    if backend == "vmap":
+        p = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), params)
+        s = jax.vmap(tx.init)(p)
+        us, p, s = jax.jit(jax.vmap(steps, in_axes=(1, 0, 0), axis_name=axis_name))(grads_seq, s, p)
+        helpers.assert_replicas_equal(us)
+        helpers.assert_replicas_equal(p)
+        return jax.tree.map(lambda x: x[0], us), jax.tree.map(lambda x: x[0], p), s
+    mesh = helpers.make_mesh(n, axis_name)
+    mask = jd.opt_state_placement(tx, params, mesh=mesh, axis_name=axis_name).per_worker
+    spec = P(axis_name)
+    state = jax.tree.map(
+        lambda x, m: jax.device_put(
+            jnp.broadcast_to(x, (n, *x.shape)) if m else x,
+            jax.sharding.NamedSharding(mesh, spec if m else P()),
+        ),
+        tx.init(params),
+        mask,
+    )
+    p = jd.place_params(params, mesh=mesh, axis_name=axis_name)
+    s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
+
+    def body(gs, s, p):
+        gs = jax.tree.map(lambda x: x[:, 0], gs)
+        s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
+        us, p, s = steps(gs, s, p)
+        return us, p, jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
+
+    g_spec = jax.tree.map(lambda _: P(None, axis_name), grads_seq)
+    gs = jax.device_put(grads_seq, jax.tree.map(lambda s_: jax.sharding.NamedSharding(mesh, s_), g_spec))
+    rep = jax.tree.map(lambda _: P(), params)
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(g_spec, s_spec, rep), out_specs=(rep, rep, s_spec), check_vma=True
+    )
+    us, p, state = jax.jit(mapped)(gs, state, p)
+    state = jax.tree.map(lambda x, m: x if m else jnp.broadcast_to(x, (n, *x.shape)), state, mask)
+    return us, p, state
+
+
+def make_grads(seed, T, n, shapes=SHAPES, zeros=False):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in shapes.items():
+        x = rng.standard_normal((T, n, *shape)).astype(np.float32)
+        if zeros:
+            x[rng.random(x.shape) < 0.2] = 0.0
+        out[name] = x
+    return out
+
+
+def zero_params(shapes=SHAPES):
+    return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+
+
+_STEP_KEYS: dict[int, list] = {}
+
+
+def step_key(seed, t):
+    """The key qsgd uses at step ``t`` (documented schedule: split the state key each step)."""
+    keys = _STEP_KEYS.setdefault(seed, [])
+    key = keys[-1][0] if keys else jax.random.PRNGKey(seed)
+    while len(keys) <= t:
+        key, sub = jax.random.split(key)
+        keys.append((key, sub))
+    return keys[t][1]
+
+
+# ----------------------------------------------------------------------------
+# NumPy references (loops over workers).
+
+
+def np_sign(x):
+    return np.where(x < 0, np.float32(-1), np.float32(1))
+
+
+def np_majority_vote(grads_seq):
+    T, n = grads_seq[NAMES[0]].shape[:2]
+    outs = []
+    for t in range(T):
+        outs.append(
+            {k: np.sign(sum(np_sign(grads_seq[k][t, i]) for i in range(n))).astype(np.float32) for k in NAMES}
+        )
+    return outs
+
+
+def np_scaled_sign_run(grads_seq, ef=True):
+    T, n = grads_seq[NAMES[0]].shape[:2]
+    res = {k: np.zeros(grads_seq[k].shape[1:], np.float32) for k in NAMES}
+    outs = []
+    for t in range(T):
+        out = {}
+        for k in NAMES:
+            total = np.zeros(grads_seq[k].shape[2:], np.float32)
+            for i in range(n):
+                x = (grads_seq[k][t, i] + res[k][i]).astype(np.float32)
+                c = (np.float32(np.mean(np.abs(x.astype(np.float64)))) * np_sign(x)).astype(np.float32)
+                total = total + c
+                if ef:
+                    res[k][i] = x - c
+            out[k] = total / np.float32(n)
+        outs.append(out)
+    return outs, res
+
+
+_uniforms = jax.jit(jax.vmap(q.qsgd_uniforms, in_axes=(None, 0, None)), static_argnums=2)
+
+
+def np_qsgd_run(grads_seq, levels, seed, bucket=None, ef=False):
+    T, n = grads_seq[NAMES[0]].shape[:2]
+    res = {k: np.zeros(grads_seq[k].shape[1:], np.float32) for k in NAMES}
+
+    def blocks_of(d):
+        if bucket is None or bucket >= d:
+            return 1, max(d, 1)
+        return -(-d // bucket), bucket
+
+    layout = [blocks_of(math.prod(SHAPES[k])) for k in NAMES]
+    total_padded = sum(m * b for m, b in layout)
+    s = np.float32(levels)
+    outs = []
+    for t in range(T):
+        u_all = np.asarray(_uniforms(step_key(seed, t), jnp.arange(n), total_padded))
+        out = {}
+        offset = 0
+        for k, (m, b) in zip(NAMES, layout):
+            d = math.prod(SHAPES[k])
+            total = np.zeros(d, np.float32)
+            for i in range(n):
+                x = (grads_seq[k][t, i].reshape(d) + res[k][i].reshape(d)).astype(np.float32)
+                v = np.zeros(m * b, np.float32)
+                v[:d] = x
+                v = v.reshape(m, b)
+                norm = np.sqrt(np.sum(v.astype(np.float64) ** 2, axis=1)).astype(np.float32)
+                safe = np.where(norm > 0, norm, np.float32(1))
+                r = np.abs(v) / safe[:, None] * s
+                u = u_all[i][offset : offset + m * b].reshape(m, b)
+                level = np.minimum(np.floor(r + u), s)
+                code = np.sign(v) * level
+                c = (code * (norm / s)[:, None]).reshape(-1)[:d].astype(np.float32)
+                total = total + c
+                if ef:
+                    res[k][i] = (x - c).reshape(SHAPES[k])
+            out[k] = (total / np.float32(n)).reshape(SHAPES[k])
+            offset += m * b
+        outs.append(out)
+    return outs, res
+
+
+CASES = {
+    "majority_vote": (lambda: q.sign_majority_vote(), lambda g: (np_majority_vote(g), None)),
+    "scaled_sign": (lambda: q.scaled_sign(), lambda g: np_scaled_sign_run(g)),
+    "scaled_sign_no_ef": (
+        lambda: q.scaled_sign(error_feedback=False),
+        lambda g: np_scaled_sign_run(g, ef=False),
+    ),
+    "qsgd": (lambda: q.qsgd(4, seed=1), lambda g: np_qsgd_run(g, 4, 1)),
+    "qsgd_buckets_ef": (
+        lambda: q.qsgd(2, seed=2, bucket_size=3, error_feedback=True),
+        lambda g: np_qsgd_run(g, 2, 2, bucket=3, ef=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+@pytest.mark.parametrize("n", WORKERS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_numpy_reference_30_steps(case, n, backend):
+    """30 steps chained before jd.sgd: each update is -lr times the NumPy
+    reference (looping over workers); replicas stay bit-identical."""
+    make_tx, reference = CASES[case]
+    T, lr = 30, 0.5
+    grads = make_grads(10 * sorted(CASES).index(case) + n, T, n, zeros=True)
+    us, _, state = scan_steps(optax.chain(make_tx(), jd.sgd(lr)), grads, zero_params(), backend=backend)
+    ref, res = reference(grads)
+    for t in range(T):
+        expected = {k: -lr * v for k, v in ref[t].items()}
+        helpers.assert_trees_close({k: us[k][t] for k in us}, expected, rtol=1e-5, atol=1e-6)
+    if res is not None and state[0].residual != ():
+        helpers.assert_trees_close(state[0].residual, res, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Majority vote.
+
+
+def test_majority_vote_ties_and_zeros():
+    """Zeros vote +1; an even split gives 0."""
+    g = np.array([[1.0, -1.0, 0.0, -2.0], [-1.0, -1.0, 0.0, 0.0]], np.float32)
+    out = helpers.run_transform(q.sign_majority_vote(), {"v": g}, backend="shard_map")
+    np.testing.assert_array_equal(out["v"], np.float32([0.0, -1.0, 1.0, 0.0]))
+
+
+def test_majority_vote_is_the_sign_not_the_magnitude():
+    g = np.array([[100.0], [-1.0], [-1.0]], np.float32)
+    out = helpers.run_transform(q.sign_majority_vote(), {"v": g}, backend="vmap")
+    np.testing.assert_array_equal(out["v"], np.float32([-1.0]))
+
+
+def test_majority_vote_one_worker_is_sign():
+    g = np.array([[0.3, -0.2, 0.0, -0.0]], np.float32)
+    out = helpers.run_transform(q.sign_majority_vote(), {"v": g}, backend="vmap")
+    np.testing.assert_array_equal(out["v"], np.float32([1.0, -1.0, 1.0, 1.0]))
+
+
+# ----------------------------------------------------------------------------
+# Scaled sign.
+
+
+def test_scaled_sign_one_worker_one_step():
+    x = np.array([[1.0, -3.0, 0.5, 0.0]], np.float32)
+    tx = q.scaled_sign()
+
+    def fn(g):
+        return tx.update(g, tx.init(g))
+
+    out, state = jax.jit(jax.vmap(fn, axis_name="data"))({"v": x})
+    scale = np.float32(4.5 / 4)
+    np.testing.assert_allclose(out["v"][0], scale * np.float32([1, -1, 1, 1]), rtol=1e-7)
+    np.testing.assert_allclose(state.residual["v"][0], x[0] - scale * np.float32([1, -1, 1, 1]), rtol=1e-6)
+
+
+def test_scaled_sign_constant_magnitudes_is_exact_mean():
+    """When every entry of a worker has the same magnitude, the compression is lossless."""
+    rng = np.random.default_rng(0)
+    mags = np.float32([0.5, 2.0, 1.0])[:, None]
+    g = (mags * np.where(rng.random((3, 8)) < 0.5, -1, 1)).astype(np.float32)
+    out = helpers.run_transform(q.scaled_sign(), {"v": g}, backend="shard_map")
+    np.testing.assert_allclose(out["v"], g.mean(0), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# QSGD.
+
+
+def _qsgd_once(tx, g, keys):
+    """Outputs of one qsgd step for every key in ``keys`` (outer vmap), workers as inner vmap."""
+
+    def one(key):
+        def worker(g):
+            state = tx.init(g)
+            state = state._replace(inner_state=state.inner_state._replace(key=key))
+            return tx.update(g, state)[0]
+
+        return jax.tree.map(lambda x: x[0], jax.vmap(worker, axis_name="data")(g))
+
+    return jax.jit(jax.vmap(one))(keys)
+
+
+def test_qsgd_is_unbiased():
+    rng = np.random.default_rng(3)
+    g = {"v": rng.standard_normal((2, 6)).astype(np.float32)}
+    N = 4000
+    keys = jax.random.split(jax.random.PRNGKey(0), N)
+    outs = np.asarray(_qsgd_once(q.qsgd(1), g, keys)["v"], np.float64)
+    est, se = outs.mean(0), outs.std(0) / np.sqrt(N)
+    assert np.all(se > 0)
+    np.testing.assert_array_less(np.abs(est - g["v"].mean(0)), 5 * se + 1e-6)
+
+
+def test_qsgd_levels_round_to_neighbours():
+    """One worker: every output is norm * l / s with l = floor or ceil of s |x| / norm."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 50)).astype(np.float32)
+    s = 3
+    keys = jax.random.split(jax.random.PRNGKey(1), 8)
+    outs = np.asarray(_qsgd_once(q.qsgd(s), {"v": x}, keys)["v"], np.float64)
+    norm = np.linalg.norm(x[0].astype(np.float64))
+    r = s * np.abs(x[0]) / norm
+    levels = outs * s / norm * np.sign(x[0])
+    np.testing.assert_allclose(levels, np.round(levels), atol=1e-4)
+    assert np.all(np.round(levels) >= np.floor(r) - 1e-6) and np.all(np.round(levels) <= np.ceil(r) + 1e-6)
+
+
+def test_qsgd_many_levels_is_the_mean():
+    g = make_grads(5, 1, 3)
+    g = jax.tree.map(lambda x: x[0], g)
+    out = helpers.run_transform(q.qsgd(2**20), g, backend="shard_map")
+    helpers.assert_trees_close(out, jax.tree.map(lambda x: x.mean(0), g), rtol=1e-4, atol=1e-5)
+
+
+def test_qsgd_randomness_is_per_worker():
+    """Two workers with the same gradient draw different roundings."""
+    x = np.tile(np.linspace(0.1, 1.0, 40, dtype=np.float32), (2, 1))
+    tx = q.qsgd(1)
+    # With one level the output of each worker is norm * {0, 1} per entry: the
+    # mean over two workers takes the value norm / 2 only where they differ.
+    out = np.asarray(helpers.run_transform(tx, {"v": x}, backend="vmap")["v"])
+    norm = np.linalg.norm(x[0])
+    assert np.any(np.isclose(out, norm / 2, rtol=1e-5))
+
+
+def test_qsgd_zero_gradient_stays_zero():
+    out = helpers.run_transform(q.qsgd(4), {"v": np.zeros((3, 7), np.float32)}, backend="shard_map")
+    np.testing.assert_array_equal(out["v"], np.zeros(7, np.float32))
+
+
+def test_qsgd_code_dtype():
+    assert q.qsgd_code_dtype(1) == jnp.int8
+    assert q.qsgd_code_dtype(127) == jnp.int8
+    assert q.qsgd_code_dtype(128) == jnp.int16
+    assert q.qsgd_code_dtype(32767) == jnp.int16
+    assert q.qsgd_code_dtype(32768) == jnp.int32
+
+
+# ----------------------------------------------------------------------------
+# Communication: what the docstrings promise.
+
+
+def _collectives(tx, params, n):
+    """(primitive name, bytes of the local operand) of every collective in one update under shard_map."""
+    mesh = helpers.make_mesh(n)
+    g = jax.device_put(
+        jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), params),
+        jax.sharding.NamedSharding(mesh, P("data")),
+    )
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        return tx.update(g, tx.init(g))[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True)
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            if name.startswith(("psum", "all_gather", "pmax", "pmin", "ppermute")):
+                found.append((name, sum(comm.tree_bytes(v.aval) for v in e.invars)))
+            for p in e.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jax.make_jaxpr(f)(g).jaxpr)
+    return found
+
+
+MIXED = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,)), "h": jnp.zeros((41,), jnp.bfloat16)}  # D = 74, L = 3
+
+
+@pytest.mark.parametrize(
+    "make_tx, nbytes",
+    [
+        (lambda: q.sign_majority_vote(), math.ceil(74 / 8)),
+        (lambda: q.scaled_sign(), math.ceil(74 / 8) + 4 * 3),
+        (lambda: q.qsgd(127), 74 * 1 + 4 * 3),
+        (lambda: q.qsgd(128), 74 * 2 + 4 * 3),
+        (lambda: q.qsgd(40000), 74 * 4 + 4 * 3),
+        (lambda: q.qsgd(5, bucket_size=8), 74 * 1 + 4 * (math.ceil(30 / 8) + 1 + math.ceil(41 / 8))),
+    ],
+    ids=["majority_vote", "scaled_sign", "qsgd127", "qsgd128", "qsgd40000", "qsgd_buckets"],
+)
+def test_one_all_gather_of_the_documented_size(make_tx, nbytes):
+    found = _collectives(make_tx(), MIXED, 4)
+    assert found == [("all_gather_invariant", nbytes)]
+
+
+def test_compiled_program_has_one_all_gather():
+    n = 4
+    mesh = helpers.make_mesh(n)
+    tx = q.scaled_sign()
+    g = jax.device_put(
+        jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), MIXED),
+        jax.sharding.NamedSharding(mesh, P("data")),
+    )
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        return tx.update(g, tx.init(g))[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True)
+    assert helpers.count_collectives(helpers.compiled_text(f, g)) == {"all-gather": 1}
+
+
+# ----------------------------------------------------------------------------
+# optax contract.
+
+ALL = {
+    "majority_vote": lambda: q.sign_majority_vote(),
+    "scaled_sign": lambda: q.scaled_sign(),
+    "qsgd": lambda: q.qsgd(3, bucket_size=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_placement(name):
+    tx = ALL[name]()
+    placement = jd.opt_state_placement(tx, zero_params(), mesh=helpers.make_mesh(2))
+    assert not placement.updates_per_worker
+    per_worker = placement.per_worker
+    assert not per_worker.count
+    assert not any(jax.tree.leaves(per_worker.inner_state))  # qsgd's key is shared
+    assert all(jax.tree.leaves(per_worker.residual))
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_contract(name):
+    """Abstract init, unknown extra args, stable dtypes, no recompilation."""
+    tx = ALL[name]()
+    params = zero_params()
+    state = tx.init(params)
+    helpers.assert_dtypes_equal(jax.eval_shape(tx.init, params), state)
+    traces = []
+
+    def step(g, s):
+        traces.append(1)
+        return tx.update(g, s, params, unknown_extra="ignored", value=jnp.float32(0))
+
+    f = jax.jit(jax.vmap(step, in_axes=(0, None), axis_name="data"))
+    g = jax.tree.map(lambda x: x[0], make_grads(0, 1, 2))
+    u, s2 = f(g, state)
+    helpers.assert_dtypes_equal(jax.tree.map(lambda x: x[0], s2), state)
+    helpers.assert_dtypes_equal(jax.tree.map(lambda x: x[0], u), params)
+    f(jax.tree.map(lambda x: 2 * x, g), state)
+    assert len(traces) == 1
+
+
+def test_bf16_updates_come_back_bf16():
+    g = {"v": jnp.asarray(np.random.default_rng(0).standard_normal((2, 9)), jnp.bfloat16)}
+    for tx in (q.sign_majority_vote(), q.scaled_sign(), q.qsgd(3)):
+        assert helpers.run_transform(tx, g, backend="shard_map")["v"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_chain_before_adam_30_steps_replicas_identical(name, backend):
+    grads = make_grads(31, 30, 3)
+    us, p, _ = scan_steps(optax.chain(ALL[name](), jd.adam(1e-2)), grads, zero_params(), backend=backend)
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(p))
+    assert float(np.abs(np.asarray(us["w"])).sum()) > 0
+
+
+def test_inside_multisteps():
+    """MultiSteps(every 2) hands the mean of two gradients to the vote, every other step."""
+    n, T = 3, 4
+    grads = make_grads(17, T, n)
+    tx = optax.MultiSteps(q.sign_majority_vote(), every_k_schedule=2)
+    # vmap: jd.opt_state_placement cannot type MultiSteps' per-worker accumulator
+    # yet (see test_sparsify.test_inside_multisteps for shard_map with a given placement).
+    us, _, _ = scan_steps(tx, grads, zero_params(), backend="vmap")
+    acc = {k: (grads[k][0::2] + grads[k][1::2]) / 2 for k in grads}
+    ref = np_majority_vote(acc)
+    for j in range(T // 2):
+        helpers.assert_trees_equal({k: us[k][2 * j + 1] for k in us}, ref[j])
+        helpers.assert_trees_close({k: us[k][2 * j] for k in us}, jax.tree.map(np.zeros_like, ref[j]), atol=0)
+
+
+def test_qsgd_under_inject_hyperparams_with_static_levels():
+    tx = optax.inject_hyperparams(q.qsgd, static_args=("levels", "bucket_size", "seed"))(2**20)
+    g = {"v": np.random.default_rng(1).standard_normal((2, 5)).astype(np.float32)}
+    out = helpers.run_transform(tx, g, backend="vmap")
+    np.testing.assert_allclose(out["v"], g["v"].mean(0), rtol=1e-4, atol=1e-5)
+
+
+def test_unbound_axis_error_names_the_transform():
+    tx = q.qsgd(2)
+    g = {"v": jnp.ones(5)}
+    with pytest.raises(jd.UnboundAxisError, match=r"`qsgd` communicates over the axis 'data'"):
+        tx.update(g, tx.init(g))
+
+
+# ----------------------------------------------------------------------------
+# Bad inputs.
+
+
+@pytest.mark.parametrize(
+    "factory, kwargs, error, match",
+    [
+        (q.qsgd, {"levels": 0}, ValueError, r"`levels` must be an int >= 1"),
+        (q.qsgd, {"levels": 2.0}, TypeError, r"`levels` must be a Python int"),
+        (q.qsgd, {"levels": 2**31}, ValueError, r"`levels` must be at most 2\*\*31 - 1"),
+        (q.qsgd, {"levels": 2, "bucket_size": 0}, ValueError, r"`bucket_size` must be an int >= 1"),
+        (q.qsgd, {"levels": 2, "seed": -2}, ValueError, r"`seed` must be an int >= 0"),
+        (q.qsgd, {"levels": 2, "error_feedback": None}, TypeError, r"`error_feedback` must be a bool"),
+        (q.qsgd, {"levels": 2, "axis_name": {"data"}}, TypeError, r"`axis_name` must be a hashable name"),
+        (q.scaled_sign, {"error_feedback": 1}, TypeError, r"`error_feedback` must be a bool"),
+        (q.scaled_sign, {"axis_name": None}, ValueError, r"`axis_name` must name the mapped axis"),
+        (q.sign_majority_vote, {"axis_name": ()}, ValueError, r"`axis_name` must not be an empty tuple"),
+    ],
+)
+def test_bad_arguments(factory, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        factory(**kwargs)
