@@ -96,7 +96,19 @@ def _trace_placement(
     axis_name: base.AxisName,
     per_worker_params: bool,
 ) -> Placement:
-    """Fixed point of the invariant/varying typing of the state through one update."""
+    """A consistent invariant/varying typing of the state through one update.
+
+    First the least fixed point from "everything replicated": trace, mark the
+    state leaves that come out varying, repeat. That fails when a ``lax.cond``
+    returns a state leaf assumed replicated in one branch and a per-worker
+    value in the other (``optax.MultiSteps`` accumulating gradients,
+    finite-checks that skip a compressor's step): JAX rejects the mismatched
+    branches before telling which leaf it was. Then the search goes the other
+    way: from "everything per-worker" (always consistent), groups of leaves
+    are flipped to replicated, bisecting on failure, keeping every flip after
+    which the trace still type-checks and the flipped leaves come out
+    replicated.
+    """
     n = _mesh_axis_size(mesh, axis_name)
     spec = _spec(axis_name)
     sharded = jax.sharding.NamedSharding(mesh, spec)
@@ -104,20 +116,20 @@ def _trace_placement(
     p_local = _abstract(params)
     s_local = jax.eval_shape(tx.init, p_local)
     s_leaves, s_def = jax.tree.flatten(s_local)
-    varying = [False] * len(s_leaves)
-    updates_varying = False
-    for _ in range(len(s_leaves) + 2):
+    num = len(s_leaves)
+
+    def trace(varying: list[bool]) -> tuple[list[bool], bool]:
         record: dict[str, Any] = {}
         mask = jax.tree.unflatten(s_def, varying)
 
-        def body(p, s, g, mask=mask, record=record):
+        def body(p, s, g):
             if per_worker_params:
                 p = jax.tree.map(lambda x: x[0], p)
             s = _unstack(s, mask)
             g = comm.to_varying(jax.tree.map(lambda x: x[0], g), axis_name)
             extras = _dummy_extras(p, axis_name)
             u, s2 = tx.update(g, s, p, **extras)
-            record["u"] = [comm.is_varying(x, axis_name) for x in jax.tree.leaves(u)]
+            record["u"] = any(comm.is_varying(x, axis_name) for x in jax.tree.leaves(u))
             record["s"] = [comm.is_varying(x, axis_name) for x in jax.tree.leaves(s2)]
             return jnp.zeros((1,), jnp.float32)
 
@@ -134,11 +146,7 @@ def _trace_placement(
             mask,
         )
         in_g = _stack_abstract(p_local, n, sharded)
-        p_spec = (
-            jax.tree.map(lambda _: spec, p_local)
-            if per_worker_params
-            else jax.tree.map(lambda _: P(), p_local)
-        )
+        p_spec = jax.tree.map(lambda _: spec if per_worker_params else P(), p_local)
         s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
         fn = jax.shard_map(
             body,
@@ -148,12 +156,63 @@ def _trace_placement(
             check_vma=True,
         )
         jax.eval_shape(fn, in_p, in_s, in_g)
-        new = [a or b for a, b in zip(varying, record["s"])]
-        updates_varying = any(record["u"])
+        return record["s"], record["u"]
+
+    def done(varying, updates_varying):
+        return Placement(per_worker=jax.tree.unflatten(s_def, varying), updates_per_worker=updates_varying)
+
+    # 1. Least fixed point from "all replicated".
+    varying = [False] * num
+    try:
+        for _ in range(num + 2):
+            out, updates_varying = trace(varying)
+            new = [a or b for a, b in zip(varying, out)]
+            if new == varying:
+                return done(varying, updates_varying)
+            varying = new
+    except Exception as e:  # noqa: BLE001 - JAX's cond/scan type errors have no common class
+        first_error = e
+    else:  # pragma: no cover - the loop above always converges within num + 1 rounds
+        return done(varying, updates_varying)
+
+    # 2. Refine down from "all per-worker".
+    varying = [True] * num
+    try:
+        out, updates_varying = trace(varying)
+    except Exception:
+        raise first_error from None
+
+    def consistent(cand: list[bool]) -> tuple[list[bool], bool] | None:
+        try:
+            out, upd = trace(cand)
+        except Exception:  # noqa: BLE001
+            return None
+        if any(o and not c for o, c in zip(out, cand)):
+            return None  # a leaf assumed replicated came out per-worker
+        return out, upd
+
+    def refine(varying: list[bool], idxs: list[int]) -> list[bool]:
+        nonlocal updates_varying
+        idxs = [i for i in idxs if varying[i]]
+        if not idxs:
+            return varying
+        cand = [v and i not in idxs for i, v in enumerate(varying)]
+        res = consistent(cand)
+        if res is not None:
+            updates_varying = res[1]
+            return cand
+        if len(idxs) == 1:
+            return varying
+        mid = len(idxs) // 2
+        varying = refine(varying, idxs[:mid])
+        return refine(varying, idxs[mid:])
+
+    for _ in range(3):
+        new = refine(varying, list(range(num)))
         if new == varying:
             break
         varying = new
-    return Placement(per_worker=jax.tree.unflatten(s_def, varying), updates_per_worker=updates_varying)
+    return done(varying, updates_varying)
 
 
 def _with_sharding(tree: Any, sharding: Any) -> Any:
@@ -287,6 +346,7 @@ class DataParallelStep:
     per_worker_params: bool
     has_aux: bool
     donate: bool
+    loss_scale: Callable[[Any], Any] | None = None
     _compiled: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -346,6 +406,7 @@ class DataParallelStep:
         s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
         b_spec = jax.tree.map(lambda _: spec, batch)
         loss_fn, tx, has_aux, per_worker = self.loss_fn, self.tx, self.has_aux, self.per_worker_params
+        loss_scale = self.loss_scale
 
         def body(params, opt_state, batch):
             p = jax.tree.map(lambda x: x[0], params) if per_worker else params
@@ -355,18 +416,28 @@ class DataParallelStep:
             # the axis on its own, before the optimizer could see them.
             p_var = comm.to_varying(p, axis_name)
 
+            scale = None if loss_scale is None else jnp.asarray(loss_scale(s), jnp.float32)
+
+            def scaled_loss(q, b):
+                out = loss_fn(q, b)
+                if scale is None:
+                    return out
+                if has_aux:
+                    return out[0].astype(jnp.float32) * scale, out[1]
+                return out.astype(jnp.float32) * scale
+
             def value_fn(q):
-                out = loss_fn(q, batch)
+                out = scaled_loss(q, batch)
                 return out[0] if has_aux else out
 
             if has_aux:
-                (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(p_var, batch)
+                (loss, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(p_var, batch)
             else:
-                loss, grads = jax.value_and_grad(loss_fn)(p_var, batch)
+                loss, grads = jax.value_and_grad(scaled_loss)(p_var, batch)
                 aux = None
             updates, s2 = tx.update(grads, s, p, value=loss, value_fn=value_fn)
             new_p = optax.apply_updates(p, updates)
-            metrics = {"loss": comm.pmean(loss, axis_name)}
+            metrics = {"loss": comm.pmean(loss if scale is None else loss / scale, axis_name)}
             if has_aux:
                 metrics["aux"] = comm.pmean(aux, axis_name)
             new_p = jax.tree.map(lambda x: x[None], new_p) if per_worker else new_p
@@ -424,6 +495,7 @@ def data_parallel_step(
     per_worker_params: bool = False,
     has_aux: bool = False,
     donate: bool = False,
+    loss_scale: Callable[[Any], Any] | None = None,
 ) -> DataParallelStep:
     r"""Builds a jitted data-parallel training step over ``mesh``.
 
@@ -448,6 +520,11 @@ def data_parallel_step(
       has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (floats) is averaged
         over workers into ``metrics["aux"]``.
       donate: donate params and state buffers to the step.
+      loss_scale: ``loss_scale(opt_state) -> scale`` for mixed precision with
+        :func:`jaxopt_dist.dynamic_loss_scale`: pass ``jaxopt_dist.loss_scale``.
+        The loss is multiplied by the scale (in float32) before
+        differentiation; ``dynamic_loss_scale`` unscales the gradients and the
+        line-search extra args. ``metrics["loss"]`` stays unscaled.
 
     Returns:
       A :class:`DataParallelStep`: ``step(params, opt_state, batch) ->
@@ -471,6 +548,10 @@ def data_parallel_step(
         raise TypeError(f"`loss_fn` must be callable; got {loss_fn!r}.")
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"`tx` must be an optax.GradientTransformation; got {type(tx).__name__}.")
+    if loss_scale is not None and not callable(loss_scale):
+        raise TypeError(
+            f"`loss_scale` must be a function of the optimizer state (e.g. jaxopt_dist.loss_scale); got {loss_scale!r}."
+        )
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(
             f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
@@ -484,4 +565,5 @@ def data_parallel_step(
         per_worker_params=bool(per_worker_params),
         has_aux=bool(has_aux),
         donate=bool(donate),
+        loss_scale=loss_scale,
     )
