@@ -1,0 +1,395 @@
+"""communication_cost against each transform's documented formula and against compiled HLO.
+
+What is compared with the HLO: the collectives that ``jax.jit(...).lower(...).compile()``
+of one update under ``jax.shard_map`` on 8 CPU devices contains, summed per collective
+kind (payload elements, and bytes where the dtype is unchanged), against
+``cost.sites`` (every collective of the traced update, every branch counted once).
+XLA may merge several collectives into one variadic op or split one, so totals
+are compared, not op counts. XLA:CPU runs 16-bit all-reduces in float32, which
+the bf16 case checks explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxopt_dist as jd
+from jaxopt_dist._src import accounting
+from jaxopt_dist._src.accounting import communication_cost, hlo_collectives, project_step_time
+from jaxopt_dist._src.powersgd import powersgd
+from tests import helpers
+
+P = jax.sharding.PartitionSpec
+N = 8
+SHAPES = {"w": (16, 8), "b": (8,), "c": (2, 3, 8)}  # leaves order: b, c, w
+PARAMS = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+SIZES = {k: math.prod(s) for k, s in SHAPES.items()}
+D = sum(SIZES.values())  # 184
+RING = 2 * (N - 1) / N  # all-reduce bytes on the wire per payload byte
+GATHER = N - 1
+
+
+def _try_import(module, name):
+    try:
+        mod = __import__(f"jaxopt_dist._src.{module}", fromlist=[name])
+        return getattr(mod, name)
+    except (ImportError, AttributeError):  # a sibling module not written yet
+        return None
+
+
+top_k = _try_import("sparsify", "top_k")
+random_k = _try_import("sparsify", "random_k")
+block_k = _try_import("sparsify", "block_k")
+threshold = _try_import("sparsify", "threshold")
+sign_majority_vote = _try_import("quantize", "sign_majority_vote")
+scaled_sign = _try_import("quantize", "scaled_sign")
+qsgd = _try_import("quantize", "qsgd")
+
+
+def _powersgd_payloads(rank, mcr=2.0):
+    """(P elements, Q elements, dense elements) per step, from the docstring's rule."""
+    p = q = dense = 0
+    for s in SHAPES.values():
+        if len(s) >= 2:
+            n, m = math.prod(s[:-1]), s[-1]
+            r = min(rank, n, m)
+            if r * (n + m) * mcr <= n * m:
+                p, q = p + n * r, q + m * r
+                continue
+        dense += math.prod(s)
+    return p, q, dense
+
+
+def _expected_powersgd(rank, one_allreduce=False):
+    p, q, dense = _powersgd_payloads(rank)
+    if one_allreduce:  # alternating steps: [Q's + dense], [P's + dense]
+        return RING * 4 * ((p + q) / 2 + dense)
+    return RING * 4 * (p + q + dense)
+
+
+# (id, transform factory, per-worker params, expected bytes sent per worker per step)
+CASES = [
+    ("all_reduce", lambda: jd.all_reduce(), False, RING * 4 * D),
+    ("all_reduce_bf16_flat", lambda: jd.all_reduce(dtype=jnp.bfloat16, flatten=True), False, RING * 2 * D),
+    (
+        "average_params",
+        lambda: optax.chain(jd.sgd(0.1), jd.average_params(every=2, num_partitions=2)),
+        True,
+        RING * 4 * D / 4,  # bytes(params) / (every * num_partitions), on average
+    ),
+    ("powersgd", lambda: powersgd(2), False, _expected_powersgd(2)),
+    ("powersgd_cold", lambda: powersgd(1, warm_start=False), False, _expected_powersgd(1)),
+    (
+        "powersgd_one_allreduce",
+        lambda: powersgd(2, one_allreduce=True, start_step=3),
+        False,
+        _expected_powersgd(2, one_allreduce=True),
+    ),
+]
+K = 4
+if top_k is not None:
+    # One all-gather of k values + k int32 indices for each leaf larger than k.
+    CASES.append(
+        ("top_k", lambda: top_k(K), False, GATHER * sum(K * (4 + 4) for d in SIZES.values() if d > K))
+    )
+if threshold is not None:
+    CASES.append(
+        (
+            "threshold",
+            lambda: threshold(0.5, capacity=K),
+            False,
+            GATHER * sum(K * 8 for d in SIZES.values() if d > K),
+        )
+    )
+if random_k is not None:
+    # One all-reduce of the chosen values (no indices).
+    CASES.append(("random_k", lambda: random_k(K), False, RING * 4 * sum(min(K, d) for d in SIZES.values())))
+if block_k is not None:
+    CASES.append(("block_k", lambda: block_k(K), False, RING * 4 * sum(min(K, d) for d in SIZES.values())))
+if sign_majority_vote is not None:
+    CASES.append(("sign_majority_vote", lambda: sign_majority_vote(), False, GATHER * math.ceil(D / 8)))
+if scaled_sign is not None:
+    CASES.append(("scaled_sign", lambda: scaled_sign(), False, GATHER * (math.ceil(D / 8) + 4 * len(SIZES))))
+if qsgd is not None:
+    CASES.append(("qsgd", lambda: qsgd(4), False, GATHER * (1 * D + 4 * len(SIZES))))
+IDS = [c[0] for c in CASES]
+
+
+def _compiled_hlo(tx, per_worker):
+    mesh = helpers.make_mesh(N)
+    placement = jd.opt_state_placement(tx, PARAMS, mesh=mesh, per_worker_params=per_worker)
+    mask = placement.per_worker
+    state = jd.init_opt_state(tx, PARAMS, mesh=mesh, per_worker_params=per_worker)
+    params = jd.place_params(PARAMS, mesh=mesh, per_worker=per_worker)
+    grads = jax.device_put(
+        jax.tree.map(lambda x: jnp.ones((N, *x.shape), x.dtype), PARAMS),
+        jax.sharding.NamedSharding(mesh, P("data")),
+    )
+    s_spec = jax.tree.map(lambda m: P("data") if m else P(), mask)
+    p_spec = jax.tree.map(lambda _: P("data") if per_worker else P(), PARAMS)
+
+    def body(g, s, p):
+        g = jax.tree.map(lambda x: x[0], g)
+        s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
+        p = jax.tree.map(lambda x: x[0], p) if per_worker else p
+        u, s = tx.update(g, s, p)
+        restack = (lambda x: x[None]) if per_worker else (lambda x: x)
+        return jax.tree.map(restack, u), jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), s_spec, p_spec), out_specs=(p_spec, s_spec))
+    return jax.jit(fn).lower(grads, state, params).compile().as_text()
+
+
+_HLO_DTYPE = {
+    "float32": "f32",
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "uint8": "u8",
+    "int8": "s8",
+    "int32": "s32",
+}
+_HLO_DTYPE.update({"uint32": "u32", "float64": "f64", "bool": "pred"})
+
+
+def _totals(collectives, dtype_of):
+    out = {}
+    for c in collectives:
+        for shape, dt in c.operands:
+            key = (c.kind, dtype_of(dt))
+            out[key] = out.get(key, 0) + math.prod(shape) * getattr(c, "multiplier", 1)
+    return out
+
+
+@pytest.mark.parametrize("name,factory,per_worker,expected", CASES, ids=IDS)
+def test_bytes_match_docstring_formula_and_compiled_hlo(name, factory, per_worker, expected):
+    tx = factory()
+    cost = communication_cost(tx, PARAMS, axis_size=N)
+    # (a) the formula in the transform's docstring (steady state, averaged over a period).
+    assert cost.sent_bytes == pytest.approx(expected, rel=1e-9), cost.table()
+    assert cost.received_bytes == cost.sent_bytes
+    assert cost.dense_bytes == pytest.approx(RING * 4 * D)
+    assert cost.compression_ratio == pytest.approx(RING * 4 * D / expected)
+    assert cost.exact
+    # (b) what the compiled program moves: the same elements per collective kind and dtype.
+    hlo = hlo_collectives(_compiled_hlo(tx, per_worker))
+    assert hlo, "no collective in the compiled HLO"
+    assert all(h.group_size == N for h in hlo)
+    traced = _totals(cost.sites, lambda d: _HLO_DTYPE[d])
+    compiled = _totals(hlo, lambda d: d)
+    if name == "all_reduce_bf16_flat":
+        # XLA:CPU promotes 16-bit all-reduces to f32 (its reduction runs in f32); on GPU/TPU
+        # the wire stays bf16. Same elements, the dtype widened.
+        assert traced == {("all_reduce", "bf16"): D} and compiled == {("all_reduce", "f32"): D}
+    else:
+        assert traced == compiled
+    # Wire bytes per kind agree too (same group sizes, same algorithm factors).
+    if name != "all_reduce_bf16_flat":
+        site_bytes = sum(c.sent_bytes() for c in cost.sites)
+        hlo_bytes = sum(h.sent_bytes() for h in hlo)
+        assert site_bytes == pytest.approx(hlo_bytes)
+
+
+def test_average_params_steps_and_periods():
+    tx = optax.chain(jd.sgd(0.1), jd.average_params(every=3))
+    auto = communication_cost(tx, PARAMS, axis_size=N)
+    assert auto.step_dependent and auto.exact and len(auto.period) == 3
+    assert auto.sent_bytes == pytest.approx(RING * 4 * D / 3)
+    assert auto.worst_sent_bytes == pytest.approx(RING * 4 * D)
+    assert any("repeats every 3 step(s) from step 0" in n for n in auto.notes)
+    first = communication_cost(tx, PARAMS, axis_size=N, steps=2)
+    assert [s.sent_bytes for s in first.steps] == [0.0, 0.0] and first.compression_ratio == math.inf
+    sync = communication_cost(tx, PARAMS, axis_size=N, steps=1, start=5)
+    assert sync.steps[0].step == 5 and sync.sent_bytes == pytest.approx(RING * 4 * D)
+    assert len(auto.sites) == len(SHAPES)  # one all-reduce per leaf in the program, run every third step
+
+
+def test_powersgd_start_step_warm_up_then_steady_state():
+    tx = powersgd(2, start_step=4)
+    cost = communication_cost(tx, PARAMS, axis_size=N)
+    per_step = [s.sent_bytes for s in cost.steps]
+    assert per_step[:4] == [pytest.approx(RING * 4 * D)] * 4
+    assert per_step[4:] == [pytest.approx(_expected_powersgd(2))] * (len(per_step) - 4)
+    assert cost.sent_bytes == pytest.approx(_expected_powersgd(2))
+    assert any("from step 4" in n for n in cost.notes)
+    assert [s.calls for s in cost.steps[3:5]] == [1, 2]
+
+
+def _resnet18_cifar_shapes():
+    shapes = [(3, 3, 3, 64), (64,), (64,)]
+    cin = 64
+    for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for block in range(2):
+            s = stride if block == 0 else 1
+            shapes += [(3, 3, cin, cout), (cout,), (cout,), (3, 3, cout, cout), (cout,), (cout,)]
+            if s != 1 or cin != cout:
+                shapes += [(1, 1, cin, cout), (cout,), (cout,)]
+            cin = cout
+    return shapes + [(512, 10), (10,)]
+
+
+def test_powersgd_ratios_on_resnet18_match_the_paper():
+    params = {
+        f"p{i:02d}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(_resnet18_cifar_shapes())
+    }
+    assert sum(math.prod(x.shape) for x in params.values()) == 11_173_962
+    for rank, paper in ((1, 243), (2, 136), (4, 72)):
+        ratio = communication_cost(powersgd(rank), params, axis_size=N).compression_ratio
+        assert abs(ratio / paper - 1) <= 0.02, (rank, ratio)
+
+
+def _psum_if_positive():
+    """A transform whose communication depends on the data (not on a counter)."""
+
+    def update(g, s, p=None, **kw):
+        return jax.lax.cond(
+            jnp.sum(jax.tree.leaves(g)[0]) > 0,
+            lambda g: jax.tree.map(lambda x: jd.all_reduce().update(x, ())[0], g),
+            lambda g: jax.tree.map(jnp.zeros_like, jd.all_reduce().update(g, ())[0]),
+            g,
+        ), s
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
+def test_data_dependent_branch_charged_worst_case_and_flagged():
+    cost = communication_cost(_psum_if_positive(), PARAMS, axis_size=N)
+    assert not cost.exact and not cost.step_dependent
+    assert cost.sent_bytes == pytest.approx(RING * 4 * D)
+    assert any("data-dependent" in n for n in cost.notes)
+
+
+def test_scan_multiplies_and_while_is_flagged():
+    def scan_update(g, s, p=None, **kw):
+        def body(c, _):
+            return jax.tree.map(lambda x: x + jd.all_reduce().update(x, ())[0], c), None
+
+        return jax.lax.scan(body, g, None, length=3)[0], s
+
+    cost = communication_cost(
+        optax.GradientTransformationExtraArgs(optax.init_empty_state, scan_update), PARAMS, axis_size=N
+    )
+    assert cost.exact and cost.calls == 3 * len(SHAPES)
+    assert cost.sent_bytes == pytest.approx(3 * RING * 4 * D)
+
+    def while_update(g, s, p=None, **kw):
+        def body(c):
+            i, x = c
+            return i + 1, jd.all_reduce().update(x, ())[0]
+
+        return jax.lax.while_loop(lambda c: c[0] < jnp.sum(c[1]["w"]), body, (0, g))[1], s
+
+    cost = communication_cost(
+        optax.GradientTransformationExtraArgs(optax.init_empty_state, while_update), PARAMS, axis_size=N
+    )
+    assert not cost.exact and any("while_loop" in n for n in cost.notes)
+    assert cost.sent_bytes == pytest.approx(RING * 4 * D)
+
+
+def test_several_axes_and_permutes():
+    # Hierarchical: reduce over "local" (4 workers) then over "node" (2 workers).
+    tx = optax.chain(jd.all_reduce(axis_name="local"), jd.all_reduce(axis_name="node"))
+    cost = communication_cost(tx, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local"))
+    assert cost.axis_size == 8
+    assert sorted(c.group_size for c in cost.steps[0].collectives) == [2] * 3 + [4] * 3
+    assert cost.sent_bytes == pytest.approx((2 * 3 / 4 + 2 * 1 / 2) * 4 * D)
+    # A ring shift: every worker sends and receives its payload once.
+    from jaxopt_dist._src import comm
+
+    def shift_update(g, s, p=None, **kw):
+        return comm.shift(g, "data", 1), s
+
+    shift = optax.GradientTransformationExtraArgs(optax.init_empty_state, shift_update)
+    cost = communication_cost(shift, PARAMS, axis_size=N)
+    assert set(cost.by_kind()) == {"permute"} and cost.sent_bytes == 4 * D
+    assert cost.by_kind()["permute"].calls == len(SHAPES)  # ppermute binds once per leaf
+
+
+def test_project_step_time_alpha_beta():
+    cost = communication_cost(jd.all_reduce(flatten=True), PARAMS, axis_size=N)
+    t = project_step_time(cost, bandwidth_gbps=8.0, latency_us=10.0)
+    beta, alpha = 1e9, 1e-5  # bytes/s, s
+    want = 2 * (N - 1) * alpha + RING * 4 * D / beta
+    assert t.seconds == pytest.approx(want) and t.dense_seconds == pytest.approx(want)
+    assert t.latency_seconds == pytest.approx(2 * (N - 1) * alpha) and t.speedup == pytest.approx(1.0)
+    # Projected to 64 workers: same payload, new ring factors.
+    t64 = project_step_time(cost, workers=64, bandwidth_gbps=8.0, latency_us=10.0)
+    assert t64.seconds == pytest.approx(2 * 63 * alpha + 2 * 63 / 64 * 4 * D / beta)
+    # All-gather: (k - 1) rounds, (k - 1) B bytes.
+    if sign_majority_vote is not None:
+        c = communication_cost(sign_majority_vote(), PARAMS, axis_size=N)
+        t = project_step_time(c, bandwidth_gbps=8.0, latency_us=10.0)
+        assert t.seconds == pytest.approx((N - 1) * alpha + (N - 1) * math.ceil(D / 8) / beta)
+    assert "speedup" in t.table() and "ms" in str(t)
+
+
+def test_table_and_structure():
+    cost = communication_cost(powersgd(2, one_allreduce=True), PARAMS, axis_size=N)
+    text = cost.table()
+    assert "all_reduce" in text and "compression ratio" in text and "dense all-reduce baseline" in text
+    assert str(cost) == text
+    kinds = cost.by_kind()
+    assert set(kinds) == {"all_reduce"} and kinds["all_reduce"].calls == 1
+    assert kinds["all_reduce"].sent_bytes == pytest.approx(cost.sent_bytes)
+    assert all(isinstance(s, accounting.StepCost) for s in cost.steps)
+    # One worker: nothing on the wire, no ratio.
+    one = communication_cost(jd.all_reduce(), PARAMS, axis_size=1)
+    assert one.sent_bytes == 0 and math.isnan(one.compression_ratio)
+
+
+def test_hlo_parser_reads_operands_groups_and_computations():
+    text = """HloModule m
+
+%region_1.4_spmd (param: (f32[8], f32[2,3,8])) -> (f32[8]) {
+  %all-reduce = (f32[8]{0}, f32[2,3,8]{2,1,0}) all-reduce(%a, %b), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+ENTRY %main.0_spmd (p: u8[23]) -> u8[8,23] {
+  %ag = u8[8,23]{1,0} all-gather(%p), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  %cp = s32[7]{0} collective-permute(%x), channel_id=3, source_target_pairs={{0,1},{1,0},{2,2},{3,3}}
+}
+"""
+    ar, ag, cp = hlo_collectives(text)
+    assert (ar.kind, ar.computation, ar.group_size, ar.payload_elements) == (
+        "all_reduce",
+        "region_1.4_spmd",
+        4,
+        56,
+    )
+    assert (ag.kind, ag.computation, ag.group_size, ag.operands) == (
+        "all_gather",
+        "main.0_spmd",
+        8,
+        (((1, 23), "u8"),),
+    )
+    assert ag.sent_bytes() == 7 * 23
+    assert cp.kind == "permute" and cp.moving == 0.5 and cp.sent_bytes() == 0.5 * 28
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match=r"`axis_size` must be an int >= 1"):
+        communication_cost(jd.all_reduce(), PARAMS, axis_size=0)
+    with pytest.raises(ValueError, match=r"give `axis_size` as a mapping"):
+        communication_cost(jd.all_reduce(), PARAMS, axis_size=8, axis_name=("a", "b"))
+    with pytest.raises(ValueError, match=r"gives no size for the axes \['b'\]"):
+        communication_cost(jd.all_reduce(), PARAMS, axis_size={"a": 2}, axis_name=("a", "b"))
+    with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation"):
+        communication_cost(lambda g: g, PARAMS, axis_size=8)
+    with pytest.raises(ValueError, match=r"`steps` must be an int >= 1"):
+        communication_cost(jd.all_reduce(), PARAMS, axis_size=8, steps=0)
+    cost = communication_cost(jd.all_reduce(), PARAMS, axis_size=8)
+    with pytest.raises(ValueError, match=r"`bandwidth_gbps` must lie in \(0, inf\)"):
+        project_step_time(cost, bandwidth_gbps=0.0, latency_us=1.0)
+    with pytest.raises(TypeError, match=r"`cost` must be a CommunicationCost"):
+        project_step_time(None, bandwidth_gbps=1.0, latency_us=1.0)
+
+
+def test_step_time_is_a_float_in_seconds():
+    cost = communication_cost(jd.all_reduce(), PARAMS, axis_size=N)
+    t = project_step_time(cost, workers=64, bandwidth_gbps=10.0, latency_us=5.0)
+    assert isinstance(t, float) and 1e3 * t == pytest.approx(1e3 * t.seconds)
+    assert t.workers == 64 and "StepTime(seconds=" in repr(t)
