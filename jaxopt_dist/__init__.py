@@ -7,10 +7,21 @@ code path runs under ``jax.shard_map``, ``jax.pmap`` and
 ``jax.vmap(..., axis_name=...)``.
 """
 
+from jaxopt_dist._src.accounting import (
+    CommunicationCost,
+    StepTime,
+    communication_cost,
+    hlo_collectives,
+    project_step_time,
+)
+from jaxopt_dist._src.adasum import adasum, adasum_tree
 from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_params, partition_leaves
+from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
+from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.optimizers import (
     ScaleByAdagradState,
     ScaleByAdamState,
@@ -32,35 +43,87 @@ from jaxopt_dist._src.parallel import (
     opt_state_specs,
     place_params,
 )
+from jaxopt_dist._src.powersgd import PowerSGDState, compressed_leaves, powersgd
+from jaxopt_dist._src.precision import (
+    ApplyIfFiniteEverywhereState,
+    DynamicLossScaleState,
+    MasterWeightsState,
+    apply_if_finite_everywhere,
+    dynamic_loss_scale,
+    loss_scale,
+    master_weights,
+)
+from jaxopt_dist._src.quantize import QSGDState, qsgd, scaled_sign, sign_majority_vote
+from jaxopt_dist._src.sparsify import BlockKState, RandomKState, ThresholdState, block_k, random_k, threshold, top_k
 
 __version__ = "0.1.0"
 
 __all__ = (
     "DEFAULT_AXIS_NAME",
+    "ApplyIfFiniteEverywhereState",
     "AverageParamsState",
     "AxisName",
+    "BlockKState",
+    "CommunicationCost",
     "Compressor",
-    "ErrorFeedbackState",
     "DataParallelStep",
+    "DimReduceInfo",
+    "DimReduceState",
+    "DynamicLossScaleState",
+    "ErrorFeedbackState",
+    "GossipState",
+    "IterateAverageState",
+    "MasterWeightsState",
     "Placement",
+    "PowerSGDState",
+    "QSGDState",
+    "RandomKState",
     "ScaleByAdagradState",
     "ScaleByAdamState",
     "ScaleByMomentumState",
     "ScaleByRmsState",
+    "StepTime",
+    "ThresholdState",
     "UnboundAxisError",
     "adagrad",
     "adam",
+    "adasum",
+    "adasum_tree",
     "all_reduce",
+    "apply_if_finite_everywhere",
     "average_params",
+    "averaged_params",
+    "block_k",
+    "communication_cost",
+    "compressed_leaves",
     "data_parallel_step",
+    "dim_reduce",
+    "dynamic_loss_scale",
     "error_feedback",
+    "fit_subspace",
+    "flatten_params",
+    "gossip",
+    "hlo_collectives",
     "init_opt_state",
+    "iterate_average",
+    "loss_scale",
+    "master_weights",
+    "mixing_matrix",
     "opt_state_placement",
     "opt_state_specs",
     "partition_leaves",
     "place_params",
+    "powersgd",
+    "project_step_time",
+    "qsgd",
+    "random_k",
     "rmsprop",
     "scale_by_momentum",
+    "scaled_sign",
     "sgd",
+    "sign_majority_vote",
     "sign_sgd",
+    "spectral_gap",
+    "threshold",
+    "top_k",
 )
