@@ -54,7 +54,15 @@ from jaxopt_dist._src.precision import (
     master_weights,
 )
 from jaxopt_dist._src.quantize import QSGDState, qsgd, scaled_sign, sign_majority_vote
-from jaxopt_dist._src.sparsify import BlockKState, RandomKState, ThresholdState, block_k, random_k, threshold, top_k
+from jaxopt_dist._src.sparsify import (
+    BlockKState,
+    RandomKState,
+    ThresholdState,
+    block_k,
+    random_k,
+    threshold,
+    top_k,
+)
 
 __version__ = "0.1.0"
 

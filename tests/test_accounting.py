@@ -19,9 +19,8 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
+from jaxopt_dist import communication_cost, hlo_collectives, powersgd, project_step_time
 from jaxopt_dist._src import accounting
-from jaxopt_dist._src.accounting import communication_cost, hlo_collectives, project_step_time
-from jaxopt_dist._src.powersgd import powersgd
 from tests import helpers
 
 P = jax.sharding.PartitionSpec
@@ -34,21 +33,13 @@ RING = 2 * (N - 1) / N  # all-reduce bytes on the wire per payload byte
 GATHER = N - 1
 
 
-def _try_import(module, name):
-    try:
-        mod = __import__(f"jaxopt_dist._src.{module}", fromlist=[name])
-        return getattr(mod, name)
-    except (ImportError, AttributeError):  # a sibling module not written yet
-        return None
-
-
-top_k = _try_import("sparsify", "top_k")
-random_k = _try_import("sparsify", "random_k")
-block_k = _try_import("sparsify", "block_k")
-threshold = _try_import("sparsify", "threshold")
-sign_majority_vote = _try_import("quantize", "sign_majority_vote")
-scaled_sign = _try_import("quantize", "scaled_sign")
-qsgd = _try_import("quantize", "qsgd")
+top_k = jd.top_k
+random_k = jd.random_k
+block_k = jd.block_k
+threshold = jd.threshold
+sign_majority_vote = jd.sign_majority_vote
+scaled_sign = jd.scaled_sign
+qsgd = jd.qsgd
 
 
 def _powersgd_payloads(rank, mcr=2.0):
@@ -92,31 +83,22 @@ CASES = [
     ),
 ]
 K = 4
-if top_k is not None:
-    # One all-gather of k values + k int32 indices for each leaf larger than k.
-    CASES.append(
-        ("top_k", lambda: top_k(K), False, GATHER * sum(K * (4 + 4) for d in SIZES.values() if d > K))
+# One all-gather of k values + k int32 indices for each leaf larger than k.
+CASES.append(("top_k", lambda: top_k(K), False, GATHER * sum(K * (4 + 4) for d in SIZES.values() if d > K)))
+CASES.append(
+    (
+        "threshold",
+        lambda: threshold(0.5, capacity=K),
+        False,
+        GATHER * sum(K * 8 for d in SIZES.values() if d > K),
     )
-if threshold is not None:
-    CASES.append(
-        (
-            "threshold",
-            lambda: threshold(0.5, capacity=K),
-            False,
-            GATHER * sum(K * 8 for d in SIZES.values() if d > K),
-        )
-    )
-if random_k is not None:
-    # One all-reduce of the chosen values (no indices).
-    CASES.append(("random_k", lambda: random_k(K), False, RING * 4 * sum(min(K, d) for d in SIZES.values())))
-if block_k is not None:
-    CASES.append(("block_k", lambda: block_k(K), False, RING * 4 * sum(min(K, d) for d in SIZES.values())))
-if sign_majority_vote is not None:
-    CASES.append(("sign_majority_vote", lambda: sign_majority_vote(), False, GATHER * math.ceil(D / 8)))
-if scaled_sign is not None:
-    CASES.append(("scaled_sign", lambda: scaled_sign(), False, GATHER * (math.ceil(D / 8) + 4 * len(SIZES))))
-if qsgd is not None:
-    CASES.append(("qsgd", lambda: qsgd(4), False, GATHER * (1 * D + 4 * len(SIZES))))
+)
+# One all-reduce of the chosen values (no indices).
+CASES.append(("random_k", lambda: random_k(K), False, RING * 4 * sum(min(K, d) for d in SIZES.values())))
+CASES.append(("block_k", lambda: block_k(K), False, RING * 4 * sum(min(K, d) for d in SIZES.values())))
+CASES.append(("sign_majority_vote", lambda: sign_majority_vote(), False, GATHER * math.ceil(D / 8)))
+CASES.append(("scaled_sign", lambda: scaled_sign(), False, GATHER * (math.ceil(D / 8) + 4 * len(SIZES))))
+CASES.append(("qsgd", lambda: qsgd(4), False, GATHER * (1 * D + 4 * len(SIZES))))
 IDS = [c[0] for c in CASES]
 
 
@@ -320,10 +302,9 @@ def test_project_step_time_alpha_beta():
     t64 = project_step_time(cost, workers=64, bandwidth_gbps=8.0, latency_us=10.0)
     assert t64.seconds == pytest.approx(2 * 63 * alpha + 2 * 63 / 64 * 4 * D / beta)
     # All-gather: (k - 1) rounds, (k - 1) B bytes.
-    if sign_majority_vote is not None:
-        c = communication_cost(sign_majority_vote(), PARAMS, axis_size=N)
-        t = project_step_time(c, bandwidth_gbps=8.0, latency_us=10.0)
-        assert t.seconds == pytest.approx((N - 1) * alpha + (N - 1) * math.ceil(D / 8) / beta)
+    c = communication_cost(sign_majority_vote(), PARAMS, axis_size=N)
+    t = project_step_time(c, bandwidth_gbps=8.0, latency_us=10.0)
+    assert t.seconds == pytest.approx((N - 1) * alpha + (N - 1) * math.ceil(D / 8) / beta)
     assert "speedup" in t.table() and "ms" in str(t)
 
 

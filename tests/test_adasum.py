@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxopt_dist as jd
-from jaxopt_dist._src.adasum import adasum, adasum_tree
+from jaxopt_dist import adasum, adasum_tree
 from tests import helpers
 
 SHAPES = {"w": (5, 3), "b": (4,), "s": ()}

@@ -9,8 +9,7 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
-from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
-from jaxopt_dist._src.sparsify import top_k
+from jaxopt_dist import IterateAverageState, averaged_params, iterate_average, top_k
 from tests import helpers
 
 

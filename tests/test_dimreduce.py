@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxopt_dist as jd
+from jaxopt_dist import DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src import comm
-from jaxopt_dist._src.dimreduce import DimReduceState, dim_reduce, fit_subspace, flatten_params
 from tests import helpers
 
 P = jax.sharding.PartitionSpec

@@ -39,7 +39,7 @@ def _round_compressor(axis_name="data"):
         sent = jax.tree.map(jnp.round, updates)
         return comm.pmean(sent, axis_name), sent, state
 
-    return ef.Compressor(lambda params: optax.EmptyState(), compress)
+    return jd.Compressor(lambda params: optax.EmptyState(), compress)
 
 
 # name -> (compressor, output is the mean of the contributions)
@@ -50,11 +50,11 @@ COMPRESSORS = {
     "top_k_flat": (lambda: sp._top_k_compressor(4, None, False, "data"), True),
     "threshold": (lambda: sp._threshold_compressor(0.5, 2, "data"), True),
     "random_k": (
-        lambda: sp._shared_compressor(3, None, 0, "data", "random_k", sp.RandomKState, sp._pick_random),
+        lambda: sp._shared_compressor(3, None, 0, "data", "random_k", jd.RandomKState, sp._pick_random),
         True,
     ),
     "block_k": (
-        lambda: sp._shared_compressor(3, None, 0, "data", "block_k", sp.BlockKState, sp._pick_block),
+        lambda: sp._shared_compressor(3, None, 0, "data", "block_k", jd.BlockKState, sp._pick_block),
         True,
     ),
     "scaled_sign": (lambda: q._scaled_sign_compressor("data"), True),
@@ -64,7 +64,7 @@ COMPRESSORS = {
 }
 
 
-def recording(compressor: ef.Compressor) -> ef.Compressor:
+def recording(compressor: jd.Compressor) -> jd.Compressor:
     """The same compressor, also keeping its last contribution in its state."""
 
     def init(params):
@@ -74,13 +74,13 @@ def recording(compressor: ef.Compressor) -> ef.Compressor:
         out, contribution, inner = compressor.compress(updates, state[0], params, **extra_args)
         return out, contribution, (inner, contribution)
 
-    return ef.Compressor(init, compress)
+    return jd.Compressor(init, compress)
 
 
 @functools.cache
 def _one_step(name):
     """Jitted: (grads, old residuals) of N workers -> (output, contributions, new residuals)."""
-    tx = ef.error_feedback(recording(COMPRESSORS[name][0]()))
+    tx = jd.error_feedback(recording(COMPRESSORS[name][0]()))
 
     def worker(g, e):
         state = tx.init(g)._replace(residual=e)
@@ -148,13 +148,13 @@ def test_sent_part_of_top_k_is_exact():
 # Nothing lost, only delayed: the telescoping sum over many steps.
 
 PUBLIC = {
-    "top_k": lambda: sp.top_k(3),
-    "top_k_flat": lambda: sp.top_k(4, per_leaf=False),
-    "threshold": lambda: sp.threshold(0.8, capacity=2),
-    "random_k": lambda: sp.random_k(2),
-    "block_k": lambda: sp.block_k(2),
-    "scaled_sign": lambda: q.scaled_sign(),
-    "qsgd_ef": lambda: q.qsgd(2, error_feedback=True),
+    "top_k": lambda: jd.top_k(3),
+    "top_k_flat": lambda: jd.top_k(4, per_leaf=False),
+    "threshold": lambda: jd.threshold(0.8, capacity=2),
+    "random_k": lambda: jd.random_k(2),
+    "block_k": lambda: jd.block_k(2),
+    "scaled_sign": lambda: jd.scaled_sign(),
+    "qsgd_ef": lambda: jd.qsgd(2, error_feedback=True),
 }
 
 
@@ -187,7 +187,7 @@ def test_sum_of_outputs_plus_mean_residual_is_sum_of_mean_gradients(name):
 
 
 def test_disabled_keeps_no_residual_and_compresses_raw_updates():
-    tx = ef.error_feedback(_round_compressor(), enabled=False)
+    tx = jd.error_feedback(_round_compressor(), enabled=False)
     g = {"v": np.full((2, 3), 0.4, np.float32)}
 
     def run(g):
@@ -207,7 +207,7 @@ def test_disabled_keeps_no_residual_and_compresses_raw_updates():
 
 def test_enabled_delays_what_rounding_drops():
     """0.4 per step rounded to integers: the error-fed output sends 1 on steps 2 and 4 (0-based: 1, 3)."""
-    tx = ef.error_feedback(_round_compressor())
+    tx = jd.error_feedback(_round_compressor())
     g = {"v": np.full((1, 1), 0.4, np.float32)}
 
     def run(g):
@@ -228,7 +228,7 @@ def test_residual_keeps_the_updates_dtype_and_output_is_cast_back():
         out = jax.tree.map(lambda x: comm.pmean(x.astype(jnp.float32), "data"), updates)
         return out, jax.tree.map(lambda x: x.astype(jnp.float32), updates), state
 
-    tx = ef.error_feedback(ef.Compressor(lambda p: optax.EmptyState(), compress))
+    tx = jd.error_feedback(jd.Compressor(lambda p: optax.EmptyState(), compress))
     g = {"v": jnp.ones((2, 4), jnp.bfloat16)}
 
     def run(g):
@@ -242,7 +242,7 @@ def test_residual_keeps_the_updates_dtype_and_output_is_cast_back():
 
 
 def test_placement_of_the_wrapper_state():
-    tx = ef.error_feedback(_round_compressor())
+    tx = jd.error_feedback(_round_compressor())
     placement = jd.opt_state_placement(tx, {"v": jnp.zeros(3)}, mesh=helpers.make_mesh(2))
     assert placement.per_worker.residual["v"] and not placement.per_worker.count
     assert not placement.updates_per_worker
@@ -262,4 +262,4 @@ def test_placement_of_the_wrapper_state():
 def test_bad_arguments(kwargs, error, match):
     compressor = kwargs.pop("compressor")
     with pytest.raises(error, match=match):
-        ef.error_feedback(compressor, **kwargs)
+        jd.error_feedback(compressor, **kwargs)

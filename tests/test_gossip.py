@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
-from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
+from jaxopt_dist import GossipState, gossip, mixing_matrix, spectral_gap
 from tests import helpers
 
 SHAPES = {"w": (3, 2), "b": (4,), "s": ()}

@@ -246,3 +246,45 @@ def test_bad_arguments():
     bad = {"x": np.ones((3, 5), np.float32), "y": np.ones((3, 2), np.float32)}
     with pytest.raises(ValueError, match=r"divisible by the 2 workers; got shape \(3, 5\)"):
         step(params, st, bad)
+
+
+def test_multisteps_with_compressor_places_state():
+    # optax.MultiSteps updates its accumulator under lax.cond: the placement search
+    # must find the per-worker leaves (accumulator, residual) and the replicated ones.
+    mesh = helpers.make_mesh(4)
+    tx = optax.MultiSteps(optax.chain(jd.top_k(k=2), jd.sgd(0.05, 0.9)), every_k_schedule=2)
+    placement = jd.opt_state_placement(tx, _params(), mesh=mesh)
+    assert placement.per_worker.acc_grads == {"w": True, "b": True}
+    assert placement.per_worker.inner_opt_state[0].residual == {"w": True, "b": True}
+    assert placement.per_worker.inner_opt_state[1][0].momentum == {"w": False, "b": False}
+    assert placement.per_worker.mini_step is False
+    step = jd.data_parallel_step(loss_fn, tx, mesh=mesh)
+    params, st = step.init(_params())
+    data = _data()
+    losses = []
+    for _ in range(8):
+        params, st, m = step(params, st, data)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < losses[0]
+    for leaf in jax.tree.leaves(params):
+        assert _shards_identical(leaf)
+
+
+def test_loss_scale_option():
+    mesh = helpers.make_mesh(4)
+    data = _data()
+    inner = optax.chain(jd.all_reduce(), jd.sgd(0.05, momentum=0.9))
+    scaled = jd.dynamic_loss_scale(inner, init_scale=2.0**8, axis_name="data")
+    plain_step = jd.data_parallel_step(loss_fn, inner, mesh=mesh)
+    step = jd.data_parallel_step(loss_fn, scaled, mesh=mesh, loss_scale=jd.loss_scale)
+    p1, s1 = plain_step.init(_params())
+    p2, s2 = step.init(_params())
+    for _ in range(3):
+        p1, s1, m1 = plain_step(p1, s1, data)
+        p2, s2, m2 = step(p2, s2, data)
+        # The reported loss is unscaled; scaling by a power of two is exact in float32.
+        np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
+    helpers.assert_trees_close(p2, p1, rtol=1e-6, atol=1e-7)
+    assert float(jd.loss_scale(s2)) == 2.0**8
+    with pytest.raises(TypeError, match="`loss_scale` must be a function of the optimizer state"):
+        jd.data_parallel_step(loss_fn, scaled, mesh=mesh, loss_scale=2.0)

@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxopt_dist as jd
+from jaxopt_dist import PowerSGDState, communication_cost, compressed_leaves, powersgd
 from jaxopt_dist._src import powersgd as psgd_mod
-from jaxopt_dist._src.accounting import communication_cost
-from jaxopt_dist._src.powersgd import PowerSGDState, compressed_leaves, orthogonalize, powersgd
+from jaxopt_dist._src.powersgd import orthogonalize
 from tests import helpers
 
 # Two leaves share the matrix shape (12, 6) and are batched (at rank 2 exactly on the

@@ -11,8 +11,7 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
-from jaxopt_dist._src import comm
-from jaxopt_dist._src.precision import (
+from jaxopt_dist import (
     ApplyIfFiniteEverywhereState,
     DynamicLossScaleState,
     MasterWeightsState,
@@ -21,6 +20,7 @@ from jaxopt_dist._src.precision import (
     loss_scale,
     master_weights,
 )
+from jaxopt_dist._src import comm
 from tests import helpers
 
 P = jax.sharding.PartitionSpec
@@ -137,15 +137,10 @@ _INNERS = {
     "all_reduce+sgd": lambda: optax.chain(jd.all_reduce(), jd.sgd(0.05, momentum=0.9)),
     "error_feedback+sgd": lambda: optax.chain(jd.error_feedback(_scaled_sign_compressor()), jd.sgd(0.05)),
 }
-# The library's compressor and AdaSum (Horovod issue 3429: AdaSum + mixed precision went NaN).
-try:
-    from jaxopt_dist._src.adasum import adasum as _adasum
-    from jaxopt_dist._src.sparsify import top_k as _top_k
-except ImportError:  # pragma: no cover - modules not integrated yet
-    pass
-else:
-    _INNERS["top_k+sgd"] = lambda: optax.chain(_top_k(density=0.25), jd.sgd(0.05))
-    _INNERS["adasum+sgd"] = lambda: optax.chain(_adasum(), jd.sgd(0.05))
+# The library's compressors and AdaSum (Horovod issue 3429: AdaSum + mixed precision went NaN).
+_INNERS["top_k+sgd"] = lambda: optax.chain(jd.top_k(density=0.25), jd.sgd(0.05))
+_INNERS["powersgd+sgd"] = lambda: optax.chain(jd.powersgd(rank=1), jd.sgd(0.05))
+_INNERS["adasum+sgd"] = lambda: optax.chain(jd.adasum(), jd.sgd(0.05))
 
 
 @pytest.mark.parametrize("inner", sorted(_INNERS))
@@ -188,7 +183,7 @@ def test_inf_on_one_of_8_workers_skips_everywhere_and_halves_the_scale(inner, ma
 
 def test_master_weights_and_loss_scale_around_dim_reduce():
     """The scaled value/value_fn are unscaled for dim_reduce's line search; bf16 params."""
-    from jaxopt_dist._src.dimreduce import dim_reduce
+    dim_reduce = jd.dim_reduce
 
     n = 4
     rng = np.random.default_rng(7)

@@ -187,15 +187,15 @@ def np_qsgd_run(grads_seq, levels, seed, bucket=None, ef=False):
 
 
 CASES = {
-    "majority_vote": (lambda: q.sign_majority_vote(), lambda g: (np_majority_vote(g), None)),
-    "scaled_sign": (lambda: q.scaled_sign(), lambda g: np_scaled_sign_run(g)),
+    "majority_vote": (lambda: jd.sign_majority_vote(), lambda g: (np_majority_vote(g), None)),
+    "scaled_sign": (lambda: jd.scaled_sign(), lambda g: np_scaled_sign_run(g)),
     "scaled_sign_no_ef": (
-        lambda: q.scaled_sign(error_feedback=False),
+        lambda: jd.scaled_sign(error_feedback=False),
         lambda g: np_scaled_sign_run(g, ef=False),
     ),
-    "qsgd": (lambda: q.qsgd(4, seed=1), lambda g: np_qsgd_run(g, 4, 1)),
+    "qsgd": (lambda: jd.qsgd(4, seed=1), lambda g: np_qsgd_run(g, 4, 1)),
     "qsgd_buckets_ef": (
-        lambda: q.qsgd(2, seed=2, bucket_size=3, error_feedback=True),
+        lambda: jd.qsgd(2, seed=2, bucket_size=3, error_feedback=True),
         lambda g: np_qsgd_run(g, 2, 2, bucket=3, ef=True),
     ),
 }
@@ -226,19 +226,19 @@ def test_matches_numpy_reference_30_steps(case, n, backend):
 def test_majority_vote_ties_and_zeros():
     """Zeros vote +1; an even split gives 0."""
     g = np.array([[1.0, -1.0, 0.0, -2.0], [-1.0, -1.0, 0.0, 0.0]], np.float32)
-    out = helpers.run_transform(q.sign_majority_vote(), {"v": g}, backend="shard_map")
+    out = helpers.run_transform(jd.sign_majority_vote(), {"v": g}, backend="shard_map")
     np.testing.assert_array_equal(out["v"], np.float32([0.0, -1.0, 1.0, 0.0]))
 
 
 def test_majority_vote_is_the_sign_not_the_magnitude():
     g = np.array([[100.0], [-1.0], [-1.0]], np.float32)
-    out = helpers.run_transform(q.sign_majority_vote(), {"v": g}, backend="vmap")
+    out = helpers.run_transform(jd.sign_majority_vote(), {"v": g}, backend="vmap")
     np.testing.assert_array_equal(out["v"], np.float32([-1.0]))
 
 
 def test_majority_vote_one_worker_is_sign():
     g = np.array([[0.3, -0.2, 0.0, -0.0]], np.float32)
-    out = helpers.run_transform(q.sign_majority_vote(), {"v": g}, backend="vmap")
+    out = helpers.run_transform(jd.sign_majority_vote(), {"v": g}, backend="vmap")
     np.testing.assert_array_equal(out["v"], np.float32([1.0, -1.0, 1.0, 1.0]))
 
 
@@ -248,7 +248,7 @@ def test_majority_vote_one_worker_is_sign():
 
 def test_scaled_sign_one_worker_one_step():
     x = np.array([[1.0, -3.0, 0.5, 0.0]], np.float32)
-    tx = q.scaled_sign()
+    tx = jd.scaled_sign()
 
     def fn(g):
         return tx.update(g, tx.init(g))
@@ -264,7 +264,7 @@ def test_scaled_sign_constant_magnitudes_is_exact_mean():
     rng = np.random.default_rng(0)
     mags = np.float32([0.5, 2.0, 1.0])[:, None]
     g = (mags * np.where(rng.random((3, 8)) < 0.5, -1, 1)).astype(np.float32)
-    out = helpers.run_transform(q.scaled_sign(), {"v": g}, backend="shard_map")
+    out = helpers.run_transform(jd.scaled_sign(), {"v": g}, backend="shard_map")
     np.testing.assert_allclose(out["v"], g.mean(0), rtol=1e-6)
 
 
@@ -291,7 +291,7 @@ def test_qsgd_is_unbiased():
     g = {"v": rng.standard_normal((2, 6)).astype(np.float32)}
     N = 4000
     keys = jax.random.split(jax.random.PRNGKey(0), N)
-    outs = np.asarray(_qsgd_once(q.qsgd(1), g, keys)["v"], np.float64)
+    outs = np.asarray(_qsgd_once(jd.qsgd(1), g, keys)["v"], np.float64)
     est, se = outs.mean(0), outs.std(0) / np.sqrt(N)
     assert np.all(se > 0)
     np.testing.assert_array_less(np.abs(est - g["v"].mean(0)), 5 * se + 1e-6)
@@ -303,7 +303,7 @@ def test_qsgd_levels_round_to_neighbours():
     x = rng.standard_normal((1, 50)).astype(np.float32)
     s = 3
     keys = jax.random.split(jax.random.PRNGKey(1), 8)
-    outs = np.asarray(_qsgd_once(q.qsgd(s), {"v": x}, keys)["v"], np.float64)
+    outs = np.asarray(_qsgd_once(jd.qsgd(s), {"v": x}, keys)["v"], np.float64)
     norm = np.linalg.norm(x[0].astype(np.float64))
     r = s * np.abs(x[0]) / norm
     levels = outs * s / norm * np.sign(x[0])
@@ -314,14 +314,14 @@ def test_qsgd_levels_round_to_neighbours():
 def test_qsgd_many_levels_is_the_mean():
     g = make_grads(5, 1, 3)
     g = jax.tree.map(lambda x: x[0], g)
-    out = helpers.run_transform(q.qsgd(2**20), g, backend="shard_map")
+    out = helpers.run_transform(jd.qsgd(2**20), g, backend="shard_map")
     helpers.assert_trees_close(out, jax.tree.map(lambda x: x.mean(0), g), rtol=1e-4, atol=1e-5)
 
 
 def test_qsgd_randomness_is_per_worker():
     """Two workers with the same gradient draw different roundings."""
     x = np.tile(np.linspace(0.1, 1.0, 40, dtype=np.float32), (2, 1))
-    tx = q.qsgd(1)
+    tx = jd.qsgd(1)
     # With one level the output of each worker is norm * {0, 1} per entry: the
     # mean over two workers takes the value norm / 2 only where they differ.
     out = np.asarray(helpers.run_transform(tx, {"v": x}, backend="vmap")["v"])
@@ -330,7 +330,7 @@ def test_qsgd_randomness_is_per_worker():
 
 
 def test_qsgd_zero_gradient_stays_zero():
-    out = helpers.run_transform(q.qsgd(4), {"v": np.zeros((3, 7), np.float32)}, backend="shard_map")
+    out = helpers.run_transform(jd.qsgd(4), {"v": np.zeros((3, 7), np.float32)}, backend="shard_map")
     np.testing.assert_array_equal(out["v"], np.zeros(7, np.float32))
 
 
@@ -383,12 +383,12 @@ MIXED = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,)), "h": jnp.zeros((41,), jnp
 @pytest.mark.parametrize(
     "make_tx, nbytes",
     [
-        (lambda: q.sign_majority_vote(), math.ceil(74 / 8)),
-        (lambda: q.scaled_sign(), math.ceil(74 / 8) + 4 * 3),
-        (lambda: q.qsgd(127), 74 * 1 + 4 * 3),
-        (lambda: q.qsgd(128), 74 * 2 + 4 * 3),
-        (lambda: q.qsgd(40000), 74 * 4 + 4 * 3),
-        (lambda: q.qsgd(5, bucket_size=8), 74 * 1 + 4 * (math.ceil(30 / 8) + 1 + math.ceil(41 / 8))),
+        (lambda: jd.sign_majority_vote(), math.ceil(74 / 8)),
+        (lambda: jd.scaled_sign(), math.ceil(74 / 8) + 4 * 3),
+        (lambda: jd.qsgd(127), 74 * 1 + 4 * 3),
+        (lambda: jd.qsgd(128), 74 * 2 + 4 * 3),
+        (lambda: jd.qsgd(40000), 74 * 4 + 4 * 3),
+        (lambda: jd.qsgd(5, bucket_size=8), 74 * 1 + 4 * (math.ceil(30 / 8) + 1 + math.ceil(41 / 8))),
     ],
     ids=["majority_vote", "scaled_sign", "qsgd127", "qsgd128", "qsgd40000", "qsgd_buckets"],
 )
@@ -400,7 +400,7 @@ def test_one_all_gather_of_the_documented_size(make_tx, nbytes):
 def test_compiled_program_has_one_all_gather():
     n = 4
     mesh = helpers.make_mesh(n)
-    tx = q.scaled_sign()
+    tx = jd.scaled_sign()
     g = jax.device_put(
         jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), MIXED),
         jax.sharding.NamedSharding(mesh, P("data")),
@@ -418,9 +418,9 @@ def test_compiled_program_has_one_all_gather():
 # optax contract.
 
 ALL = {
-    "majority_vote": lambda: q.sign_majority_vote(),
-    "scaled_sign": lambda: q.scaled_sign(),
-    "qsgd": lambda: q.qsgd(3, bucket_size=4),
+    "majority_vote": lambda: jd.sign_majority_vote(),
+    "scaled_sign": lambda: jd.scaled_sign(),
+    "qsgd": lambda: jd.qsgd(3, bucket_size=4),
 }
 
 
@@ -459,7 +459,7 @@ def test_contract(name):
 
 def test_bf16_updates_come_back_bf16():
     g = {"v": jnp.asarray(np.random.default_rng(0).standard_normal((2, 9)), jnp.bfloat16)}
-    for tx in (q.sign_majority_vote(), q.scaled_sign(), q.qsgd(3)):
+    for tx in (jd.sign_majority_vote(), jd.scaled_sign(), jd.qsgd(3)):
         assert helpers.run_transform(tx, g, backend="shard_map")["v"].dtype == jnp.bfloat16
 
 
@@ -476,7 +476,7 @@ def test_inside_multisteps():
     """MultiSteps(every 2) hands the mean of two gradients to the vote, every other step."""
     n, T = 3, 4
     grads = make_grads(17, T, n)
-    tx = optax.MultiSteps(q.sign_majority_vote(), every_k_schedule=2)
+    tx = optax.MultiSteps(jd.sign_majority_vote(), every_k_schedule=2)
     # vmap: jd.opt_state_placement cannot type MultiSteps' per-worker accumulator
     # yet (see test_sparsify.test_inside_multisteps for shard_map with a given placement).
     us, _, _ = scan_steps(tx, grads, zero_params(), backend="vmap")
@@ -488,14 +488,14 @@ def test_inside_multisteps():
 
 
 def test_qsgd_under_inject_hyperparams_with_static_levels():
-    tx = optax.inject_hyperparams(q.qsgd, static_args=("levels", "bucket_size", "seed"))(2**20)
+    tx = optax.inject_hyperparams(jd.qsgd, static_args=("levels", "bucket_size", "seed"))(2**20)
     g = {"v": np.random.default_rng(1).standard_normal((2, 5)).astype(np.float32)}
     out = helpers.run_transform(tx, g, backend="vmap")
     np.testing.assert_allclose(out["v"], g["v"].mean(0), rtol=1e-4, atol=1e-5)
 
 
 def test_unbound_axis_error_names_the_transform():
-    tx = q.qsgd(2)
+    tx = jd.qsgd(2)
     g = {"v": jnp.ones(5)}
     with pytest.raises(jd.UnboundAxisError, match=r"`qsgd` communicates over the axis 'data'"):
         tx.update(g, tx.init(g))
@@ -508,16 +508,16 @@ def test_unbound_axis_error_names_the_transform():
 @pytest.mark.parametrize(
     "factory, kwargs, error, match",
     [
-        (q.qsgd, {"levels": 0}, ValueError, r"`levels` must be an int >= 1"),
-        (q.qsgd, {"levels": 2.0}, TypeError, r"`levels` must be a Python int"),
-        (q.qsgd, {"levels": 2**31}, ValueError, r"`levels` must be at most 2\*\*31 - 1"),
-        (q.qsgd, {"levels": 2, "bucket_size": 0}, ValueError, r"`bucket_size` must be an int >= 1"),
-        (q.qsgd, {"levels": 2, "seed": -2}, ValueError, r"`seed` must be an int >= 0"),
-        (q.qsgd, {"levels": 2, "error_feedback": None}, TypeError, r"`error_feedback` must be a bool"),
-        (q.qsgd, {"levels": 2, "axis_name": {"data"}}, TypeError, r"`axis_name` must be a hashable name"),
-        (q.scaled_sign, {"error_feedback": 1}, TypeError, r"`error_feedback` must be a bool"),
-        (q.scaled_sign, {"axis_name": None}, ValueError, r"`axis_name` must name the mapped axis"),
-        (q.sign_majority_vote, {"axis_name": ()}, ValueError, r"`axis_name` must not be an empty tuple"),
+        (jd.qsgd, {"levels": 0}, ValueError, r"`levels` must be an int >= 1"),
+        (jd.qsgd, {"levels": 2.0}, TypeError, r"`levels` must be a Python int"),
+        (jd.qsgd, {"levels": 2**31}, ValueError, r"`levels` must be at most 2\*\*31 - 1"),
+        (jd.qsgd, {"levels": 2, "bucket_size": 0}, ValueError, r"`bucket_size` must be an int >= 1"),
+        (jd.qsgd, {"levels": 2, "seed": -2}, ValueError, r"`seed` must be an int >= 0"),
+        (jd.qsgd, {"levels": 2, "error_feedback": None}, TypeError, r"`error_feedback` must be a bool"),
+        (jd.qsgd, {"levels": 2, "axis_name": {"data"}}, TypeError, r"`axis_name` must be a hashable name"),
+        (jd.scaled_sign, {"error_feedback": 1}, TypeError, r"`error_feedback` must be a bool"),
+        (jd.scaled_sign, {"axis_name": None}, ValueError, r"`axis_name` must name the mapped axis"),
+        (jd.sign_majority_vote, {"axis_name": ()}, ValueError, r"`axis_name` must not be an empty tuple"),
     ],
 )
 def test_bad_arguments(factory, kwargs, error, match):

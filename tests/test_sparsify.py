@@ -213,12 +213,12 @@ def block_k_select(k, seed):
 
 
 CASES = {
-    "top_k": (lambda: sp.top_k(3), lambda: top_k_select(k=3), True),
-    "top_k_density": (lambda: sp.top_k(density=0.25), lambda: top_k_select(density=0.25), True),
-    "top_k_no_ef": (lambda: sp.top_k(4, error_feedback=False), lambda: top_k_select(k=4), False),
-    "threshold": (lambda: sp.threshold(0.9, capacity=2), lambda: threshold_select(0.9, 2), True),
-    "random_k": (lambda: sp.random_k(4, seed=3), lambda: random_k_select(4, 3), True),
-    "block_k": (lambda: sp.block_k(4, seed=5), lambda: block_k_select(4, 5), True),
+    "top_k": (lambda: jd.top_k(3), lambda: top_k_select(k=3), True),
+    "top_k_density": (lambda: jd.top_k(density=0.25), lambda: top_k_select(density=0.25), True),
+    "top_k_no_ef": (lambda: jd.top_k(4, error_feedback=False), lambda: top_k_select(k=4), False),
+    "threshold": (lambda: jd.threshold(0.9, capacity=2), lambda: threshold_select(0.9, 2), True),
+    "random_k": (lambda: jd.random_k(4, seed=3), lambda: random_k_select(4, 3), True),
+    "block_k": (lambda: jd.block_k(4, seed=5), lambda: block_k_select(4, 5), True),
 }
 
 
@@ -246,7 +246,7 @@ def test_matches_numpy_reference_30_steps(case, n, backend):
 def test_top_k_flattened_matches_reference(n, backend):
     T = 10
     grads = make_grads(7 + n, T, n)
-    tx = sp.top_k(6, per_leaf=False)
+    tx = jd.top_k(6, per_leaf=False)
     us, _, state = scan_steps(tx, grads, zero_params(), backend=backend)
     # NumPy: the tree as one vector in jax.tree.leaves order (b, s, w).
     names = sorted(SHAPES)
@@ -267,7 +267,7 @@ def test_top_k_sum_is_bitwise_worker_ordered():
     """The scatter-add adds worker rows in order: bit-identical to a float32 NumPy loop."""
     n, T = 8, 5
     grads = make_grads(11, T, n, shapes={"w": (64,)})
-    us, _, _ = scan_steps(sp.top_k(9), grads, {"w": jnp.zeros(64)}, backend="vmap")
+    us, _, _ = scan_steps(jd.top_k(9), grads, {"w": jnp.zeros(64)}, backend="vmap")
     ref, _ = np_sparse_run(grads, top_k_select(k=9))
     np.testing.assert_array_equal(np.asarray(us["w"]), np.stack([r["w"] for r in ref]))
 
@@ -284,12 +284,12 @@ def _mean(g):
 @pytest.mark.parametrize(
     "make_tx",
     [
-        lambda: sp.top_k(20),  # k == size of the largest leaf: every leaf dense
-        lambda: sp.top_k(density=1.0),
-        lambda: sp.top_k(24, per_leaf=False),  # k == total size
-        lambda: sp.random_k(20),
-        lambda: sp.block_k(density=1.0),
-        lambda: sp.threshold(0.0, capacity=20),
+        lambda: jd.top_k(20),  # k == size of the largest leaf: every leaf dense
+        lambda: jd.top_k(density=1.0),
+        lambda: jd.top_k(24, per_leaf=False),  # k == total size
+        lambda: jd.random_k(20),
+        lambda: jd.block_k(density=1.0),
+        lambda: jd.threshold(0.0, capacity=20),
     ],
     ids=["top_k", "top_k_density", "top_k_flat", "random_k", "block_k", "threshold"],
 )
@@ -305,15 +305,15 @@ def test_sparse_path_with_all_nonzeros_sent_equals_mean(backend):
     rng = np.random.default_rng(2)
     g = rng.standard_normal((3, 10)).astype(np.float32)
     g[np.arange(3), [1, 4, 9]] = 0.0
-    for tx in (sp.top_k(9), sp.threshold(0.0, capacity=9)):
+    for tx in (jd.top_k(9), jd.threshold(0.0, capacity=9)):
         out = helpers.run_transform(tx, {"v": g}, backend=backend)
         np.testing.assert_allclose(out["v"], g.mean(0), rtol=1e-6, atol=1e-7)
 
 
 def test_threshold_zero_equals_top_k_bitwise():
     grads = make_grads(4, 6, 3, zeros=True)
-    a, _, sa = scan_steps(sp.threshold(0.0, capacity=3), grads, zero_params(), backend="vmap")
-    b, _, sb = scan_steps(sp.top_k(3), grads, zero_params(), backend="vmap")
+    a, _, sa = scan_steps(jd.threshold(0.0, capacity=3), grads, zero_params(), backend="vmap")
+    b, _, sb = scan_steps(jd.top_k(3), grads, zero_params(), backend="vmap")
     helpers.assert_trees_equal(a, b)
     helpers.assert_trees_equal(sa.residual, sb.residual)
 
@@ -321,7 +321,7 @@ def test_threshold_zero_equals_top_k_bitwise():
 def test_huge_threshold_sends_nothing_and_keeps_everything():
     g = make_grads(5, 1, 2)
     g1 = jax.tree.map(lambda x: x[0], g)
-    tx = sp.threshold(1e9, capacity=2)
+    tx = jd.threshold(1e9, capacity=2)
 
     def fn(g):
         return tx.update(g, tx.init(g))
@@ -334,7 +334,7 @@ def test_huge_threshold_sends_nothing_and_keeps_everything():
 
 def test_one_worker_top_k_is_local_top_k():
     x = np.array([[0.5, -3.0, 2.0, 0.1, -2.5]], np.float32)
-    out = helpers.run_transform(sp.top_k(2), {"v": x}, backend="vmap")
+    out = helpers.run_transform(jd.top_k(2), {"v": x}, backend="vmap")
     np.testing.assert_array_equal(out["v"], [0.0, -3.0, 0.0, 0.0, -2.5])
 
 
@@ -342,7 +342,7 @@ def test_random_k_indices_shared_and_fresh_each_step():
     """The same positions on every worker, different positions from step to step."""
     n, T, d, k = 4, 6, 50, 5
     g = np.ones((T, n, d), np.float32)  # every entry nonzero
-    us, _, _ = scan_steps(sp.random_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap")
+    us, _, _ = scan_steps(jd.random_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap")
     supports = [frozenset(np.flatnonzero(np.asarray(us["v"][t]))) for t in range(T)]
     assert all(len(s) == k for s in supports)
     assert len(set(supports)) > 1
@@ -351,7 +351,7 @@ def test_random_k_indices_shared_and_fresh_each_step():
 def test_block_k_is_a_contiguous_wrapping_block():
     n, T, d, k = 2, 20, 12, 5
     g = np.ones((T, n, d), np.float32)
-    us, _, _ = scan_steps(sp.block_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap")
+    us, _, _ = scan_steps(jd.block_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap")
     starts = set()
     for t in range(T):
         support = np.flatnonzero(np.asarray(us["v"][t]))
@@ -364,7 +364,7 @@ def test_block_k_is_a_contiguous_wrapping_block():
 
 
 def test_error_feedback_flag_off_has_no_residual():
-    tx = sp.top_k(2, error_feedback=False)
+    tx = jd.top_k(2, error_feedback=False)
     state = tx.init({"v": jnp.zeros(5)})
     assert state.residual == ()
 
@@ -373,7 +373,7 @@ def test_bf16_leaves_keep_dtype_and_match_float32_reference():
     rng = np.random.default_rng(9)
     g32 = rng.standard_normal((3, 16)).astype(np.float32)
     g = {"v": jnp.asarray(g32, jnp.bfloat16)}
-    out = helpers.run_transform(sp.top_k(4), g, backend="shard_map")
+    out = helpers.run_transform(jd.top_k(4), g, backend="shard_map")
     assert out["v"].dtype == jnp.bfloat16
     x = np.asarray(g["v"], np.float32)
     ref = np.zeros(16, np.float32)
@@ -422,7 +422,7 @@ MIXED = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,)), "h": jnp.zeros((40,), jnp
 
 
 def test_top_k_sends_one_all_gather_of_values_and_indices():
-    found = _collectives(sp.top_k(4), MIXED, 4)
+    found = _collectives(jd.top_k(4), MIXED, 4)
     gathers = [b for name, b in found if name.startswith("all_gather")]
     reduces = [b for name, b in found if name.startswith("psum")]
     assert gathers == [4 * (4 + 4) + 4 * (2 + 4)]  # w (f32) and h (bf16) sparse
@@ -430,15 +430,15 @@ def test_top_k_sends_one_all_gather_of_values_and_indices():
 
 
 def test_top_k_flattened_and_threshold_bytes():
-    found = _collectives(sp.top_k(5, per_leaf=False), MIXED, 2)
+    found = _collectives(jd.top_k(5, per_leaf=False), MIXED, 2)
     assert found == [("all_gather_invariant", 5 * (4 + 4))]
-    found = _collectives(sp.threshold(0.1, capacity=3), MIXED, 2)
+    found = _collectives(jd.threshold(0.1, capacity=3), MIXED, 2)
     gathers = [b for name, b in found if name.startswith("all_gather")]
     assert gathers == [3 * (4 + 4) + 3 * (2 + 4)]  # b has 3 <= capacity entries: dense
 
 
 @pytest.mark.parametrize(
-    "make_tx", [lambda: sp.random_k(4), lambda: sp.block_k(4)], ids=["random_k", "block_k"]
+    "make_tx", [lambda: jd.random_k(4), lambda: jd.block_k(4)], ids=["random_k", "block_k"]
 )
 def test_shared_choice_sends_only_values_in_one_all_reduce_per_dtype(make_tx):
     found = _collectives(make_tx(), MIXED, 4)
@@ -449,7 +449,7 @@ def test_shared_choice_sends_only_values_in_one_all_reduce_per_dtype(make_tx):
 def test_compiled_program_has_one_all_gather():
     n = 4
     mesh = helpers.make_mesh(n)
-    tx = sp.top_k(3, per_leaf=False)
+    tx = jd.top_k(3, per_leaf=False)
     params = {"a": jnp.zeros((5, 4)), "b": jnp.zeros((7,))}
     g = jax.device_put(
         jax.tree.map(lambda x: jnp.ones((n, *x.shape)), params), jax.sharding.NamedSharding(mesh, P("data"))
@@ -468,11 +468,11 @@ def test_compiled_program_has_one_all_gather():
 # optax contract.
 
 ALL = {
-    "top_k": lambda: sp.top_k(3),
-    "top_k_flat": lambda: sp.top_k(density=0.2, per_leaf=False),
-    "threshold": lambda: sp.threshold(0.5, capacity=3),
-    "random_k": lambda: sp.random_k(3),
-    "block_k": lambda: sp.block_k(3),
+    "top_k": lambda: jd.top_k(3),
+    "top_k_flat": lambda: jd.top_k(density=0.2, per_leaf=False),
+    "threshold": lambda: jd.threshold(0.5, capacity=3),
+    "random_k": lambda: jd.random_k(3),
+    "block_k": lambda: jd.block_k(3),
 }
 
 
@@ -526,7 +526,7 @@ def test_inside_multisteps(backend):
     """MultiSteps(every 2): the compressor sees the mean of two mini-batches' gradients."""
     n, T = 2, 6
     grads = make_grads(13, T, n)
-    tx = optax.MultiSteps(sp.top_k(3), every_k_schedule=2)
+    tx = optax.MultiSteps(jd.top_k(3), every_k_schedule=2)
     # jd.opt_state_placement cannot type MultiSteps over a per-worker state yet
     # (its first pass, all replicated, trips MultiSteps' lax.cond), so say it here:
     # the accumulated gradients and the residual are per-worker.
@@ -549,14 +549,14 @@ def test_inside_multisteps(backend):
 
 
 def test_inject_hyperparams_threshold():
-    tx = optax.inject_hyperparams(sp.threshold, static_args=("capacity",))(0.5, capacity=2)
+    tx = optax.inject_hyperparams(jd.threshold, static_args=("capacity",))(0.5, capacity=2)
     g = {"v": np.array([[0.4, -0.6, 0.1, 2.0]], np.float32)}
 
     def run(tx, g):
         return helpers.run_transform(tx, g, backend="vmap")
 
     np.testing.assert_array_equal(run(tx, g)["v"], np.float32([0.0, -0.6, 0.0, 2.0]))
-    tx = optax.inject_hyperparams(sp.threshold, static_args=("capacity",))(0.3, capacity=3)
+    tx = optax.inject_hyperparams(jd.threshold, static_args=("capacity",))(0.3, capacity=3)
     np.testing.assert_array_equal(run(tx, g)["v"], np.float32([0.4, -0.6, 0.0, 2.0]))
 
 
@@ -564,13 +564,13 @@ def test_scheduled_threshold_follows_the_step_count():
     sched = optax.piecewise_constant_schedule(10.0, {2: 0.0})  # 10 for steps 0-1, 0 after
     g = np.ones((4, 1, 6), np.float32)
     us, _, _ = scan_steps(
-        sp.threshold(sched, capacity=6, error_feedback=False), {"v": g}, {"v": jnp.zeros(6)}, backend="vmap"
+        jd.threshold(sched, capacity=6, error_feedback=False), {"v": g}, {"v": jnp.zeros(6)}, backend="vmap"
     )
     np.testing.assert_array_equal(np.asarray(us["v"][:, 0]), [0.0, 0.0, 1.0, 1.0])
 
 
 def test_unbound_axis_error_names_the_transform():
-    tx = sp.top_k(2)
+    tx = jd.top_k(2)
     g = {"v": jnp.ones(5)}
     with pytest.raises(jd.UnboundAxisError, match=r"`top_k` communicates over the axis 'data'"):
         tx.update(g, tx.init(g))
@@ -583,29 +583,29 @@ def test_unbound_axis_error_names_the_transform():
 @pytest.mark.parametrize(
     "factory, kwargs, error, match",
     [
-        (sp.top_k, {}, ValueError, r"needs exactly one of `k` and `density`"),
-        (sp.top_k, {"k": 2, "density": 0.1}, ValueError, r"needs exactly one of `k` and `density`"),
-        (sp.top_k, {"k": 0}, ValueError, r"`k` must be an int >= 1"),
-        (sp.top_k, {"k": 2.5}, TypeError, r"`k` must be a Python int"),
-        (sp.top_k, {"density": 0.0}, ValueError, r"`density` must lie in \(0, 1\]"),
-        (sp.top_k, {"density": 1.5}, ValueError, r"`density` must lie in \(0, 1\]"),
+        (jd.top_k, {}, ValueError, r"needs exactly one of `k` and `density`"),
+        (jd.top_k, {"k": 2, "density": 0.1}, ValueError, r"needs exactly one of `k` and `density`"),
+        (jd.top_k, {"k": 0}, ValueError, r"`k` must be an int >= 1"),
+        (jd.top_k, {"k": 2.5}, TypeError, r"`k` must be a Python int"),
+        (jd.top_k, {"density": 0.0}, ValueError, r"`density` must lie in \(0, 1\]"),
+        (jd.top_k, {"density": 1.5}, ValueError, r"`density` must lie in \(0, 1\]"),
         (
-            sp.random_k,
+            jd.random_k,
             {"density": optax.constant_schedule(0.1)},
             TypeError,
             r"`density` must be a Python float",
         ),
-        (sp.top_k, {"k": 2, "per_leaf": 1}, TypeError, r"`per_leaf` must be a bool"),
-        (sp.top_k, {"k": 2, "error_feedback": "yes"}, TypeError, r"`error_feedback` must be a bool"),
-        (sp.top_k, {"k": 2, "axis_name": ["data"]}, TypeError, r"`axis_name` must be a hashable name"),
-        (sp.random_k, {"k": 2, "seed": -1}, ValueError, r"`seed` must be an int >= 0"),
-        (sp.block_k, {"k": 2, "seed": 1.0}, TypeError, r"`seed` must be a Python int"),
-        (sp.block_k, {"k": -3}, ValueError, r"`k` must be an int >= 1"),
-        (sp.threshold, {"threshold": 0.1, "capacity": 0}, ValueError, r"`capacity` must be an int >= 1"),
-        (sp.threshold, {"threshold": 0.1, "capacity": 2.0}, TypeError, r"`capacity` must be a Python int"),
-        (sp.threshold, {"threshold": -0.1, "capacity": 2}, ValueError, r"`threshold` must lie in \[0, inf\)"),
+        (jd.top_k, {"k": 2, "per_leaf": 1}, TypeError, r"`per_leaf` must be a bool"),
+        (jd.top_k, {"k": 2, "error_feedback": "yes"}, TypeError, r"`error_feedback` must be a bool"),
+        (jd.top_k, {"k": 2, "axis_name": ["data"]}, TypeError, r"`axis_name` must be a hashable name"),
+        (jd.random_k, {"k": 2, "seed": -1}, ValueError, r"`seed` must be an int >= 0"),
+        (jd.block_k, {"k": 2, "seed": 1.0}, TypeError, r"`seed` must be a Python int"),
+        (jd.block_k, {"k": -3}, ValueError, r"`k` must be an int >= 1"),
+        (jd.threshold, {"threshold": 0.1, "capacity": 0}, ValueError, r"`capacity` must be an int >= 1"),
+        (jd.threshold, {"threshold": 0.1, "capacity": 2.0}, TypeError, r"`capacity` must be a Python int"),
+        (jd.threshold, {"threshold": -0.1, "capacity": 2}, ValueError, r"`threshold` must lie in \[0, inf\)"),
         (
-            sp.threshold,
+            jd.threshold,
             {"threshold": "big", "capacity": 2},
             TypeError,
             r"`threshold` must be a float or an optax",
@@ -617,7 +617,7 @@ def test_bad_arguments(factory, kwargs, error, match):
         factory(**kwargs)
 
 
-@pytest.mark.parametrize("factory", [sp.top_k, sp.random_k, sp.block_k])
+@pytest.mark.parametrize("factory", [jd.top_k, jd.random_k, jd.block_k])
 def test_k_larger_than_every_leaf_is_rejected(factory):
     tx = factory(21)
     with pytest.raises(ValueError, match=r"`k`=21 exceeds the size of the largest leaf \(20 entries\)"):
@@ -628,13 +628,13 @@ def test_k_larger_than_every_leaf_is_rejected(factory):
 
 def test_k_larger_than_the_tree_is_rejected_when_flattened():
     with pytest.raises(ValueError, match=r"`k`=25 exceeds the total number of entries of the updates \(24\)"):
-        sp.top_k(25, per_leaf=False).init(zero_params())
+        jd.top_k(25, per_leaf=False).init(zero_params())
 
 
 def test_leaves_smaller_than_k_go_dense():
     """k=4: the 3-entry and scalar leaves are averaged exactly; the 20-entry one is sparse."""
     g = jax.tree.map(lambda x: x[0], make_grads(8, 1, 3))
-    out = helpers.run_transform(sp.top_k(4), g, backend="shard_map")
+    out = helpers.run_transform(jd.top_k(4), g, backend="shard_map")
     mean = _mean(g)
     helpers.assert_trees_close({"b": out["b"], "s": out["s"]}, {"b": mean["b"], "s": mean["s"]})
     assert np.count_nonzero(np.asarray(out["w"])) <= 3 * 4
@@ -643,9 +643,9 @@ def test_leaves_smaller_than_k_go_dense():
 def test_inject_hyperparams_with_static_shape_arguments():
     g = jax.tree.map(lambda x: x[0], make_grads(12, 1, 2))
     for factory, kwargs, static in [
-        (sp.top_k, {"k": 3}, ("k",)),
-        (sp.top_k, {"density": 0.25}, ("density",)),
-        (sp.random_k, {"k": 3, "seed": 4}, ("k", "seed")),
+        (jd.top_k, {"k": 3}, ("k",)),
+        (jd.top_k, {"density": 0.25}, ("density",)),
+        (jd.random_k, {"k": 3, "seed": 4}, ("k", "seed")),
     ]:
         injected = optax.inject_hyperparams(factory, static_args=static)(**kwargs)
         helpers.assert_trees_equal(
@@ -661,8 +661,8 @@ def test_tuple_axis_name_on_a_2d_mesh():
     g = np.random.default_rng(3).standard_normal((4, 10)).astype(np.float32)
     spec = P(("a", "b"))
     for tx, select in [
-        (sp.top_k(3, axis_name=("a", "b")), top_k_select(k=3)),
-        (sp.threshold(0.5, capacity=3, axis_name=("a", "b")), threshold_select(0.5, 3)),
+        (jd.top_k(3, axis_name=("a", "b")), top_k_select(k=3)),
+        (jd.threshold(0.5, capacity=3, axis_name=("a", "b")), threshold_select(0.5, 3)),
     ]:
 
         def body(g, tx=tx):

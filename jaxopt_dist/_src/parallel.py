@@ -546,8 +546,11 @@ def data_parallel_step(
     axis_name = base.validate_axis_name(axis_name)
     if not callable(loss_fn):
         raise TypeError(f"`loss_fn` must be callable; got {loss_fn!r}.")
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"`tx` must be an optax.GradientTransformation; got {type(tx).__name__}.")
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"`tx` must be an optax.GradientTransformation (or have init/update, like optax.MultiSteps); "
+            f"got {type(tx).__name__}."
+        )
     if loss_scale is not None and not callable(loss_scale):
         raise TypeError(
             f"`loss_scale` must be a function of the optimizer state (e.g. jaxopt_dist.loss_scale); got {loss_scale!r}."
