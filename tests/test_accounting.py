@@ -98,7 +98,20 @@ CASES.append(("random_k", lambda: random_k(K), False, RING * 4 * sum(min(K, d) f
 CASES.append(("block_k", lambda: block_k(K), False, RING * 4 * sum(min(K, d) for d in SIZES.values())))
 CASES.append(("sign_majority_vote", lambda: sign_majority_vote(), False, GATHER * math.ceil(D / 8)))
 CASES.append(("scaled_sign", lambda: scaled_sign(), False, GATHER * (math.ceil(D / 8) + 4 * len(SIZES))))
-CASES.append(("qsgd", lambda: qsgd(4), False, GATHER * (1 * D + 4 * len(SIZES))))
+# QSGD all-reduce (default): a pmax of the M float32 bucket norms + a psum of the D codes, summed in
+# int8 while N * levels <= 127, int16 while <= 32767. All-gather: one buffer of the codes + M norms.
+CASES.append(("qsgd", lambda: qsgd(4), False, RING * (1 * D + 4 * len(SIZES))))
+CASES.append(
+    (
+        "qsgd_int16_buckets",
+        lambda: qsgd(16, bucket_size=64),
+        False,
+        RING * (2 * D + 4 * sum(math.ceil(d / 64) for d in SIZES.values())),
+    )
+)
+CASES.append(
+    ("qsgd_all_gather", lambda: qsgd(4, aggregate="all_gather"), False, GATHER * (1 * D + 4 * len(SIZES)))
+)
 IDS = [c[0] for c in CASES]
 
 
@@ -135,7 +148,7 @@ _HLO_DTYPE = {
     "int8": "s8",
     "int32": "s32",
 }
-_HLO_DTYPE.update({"uint32": "u32", "float64": "f64", "bool": "pred"})
+_HLO_DTYPE.update({"uint32": "u32", "float64": "f64", "bool": "pred", "int16": "s16"})
 
 
 def _totals(collectives, dtype_of):

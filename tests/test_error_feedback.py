@@ -60,6 +60,7 @@ COMPRESSORS = {
     "scaled_sign": (lambda: q._scaled_sign_compressor("data"), True),
     "qsgd": (lambda: q._qsgd_compressor(3, None, 0, "data"), True),
     "qsgd_buckets": (lambda: q._qsgd_compressor(1, 4, 0, "data"), True),
+    "qsgd_all_gather": (lambda: q._qsgd_compressor(3, 4, 0, "data", "all_gather"), True),
     "majority_vote": (lambda: q._majority_vote_compressor("data"), False),
 }
 

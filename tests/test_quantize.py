@@ -145,7 +145,10 @@ def np_scaled_sign_run(grads_seq, ef=True):
 _uniforms = jax.jit(jax.vmap(q.qsgd_uniforms, in_axes=(None, 0, None)), static_argnums=2)
 
 
-def np_qsgd_run(grads_seq, levels, seed, bucket=None, ef=False):
+def np_qsgd_run(grads_seq, levels, seed, bucket=None, ef=False, aggregate="all_reduce"):
+    """QSGD in NumPy, worker by worker: ``all_gather`` scales each bucket by the
+    worker's own norm and averages the decoded messages; ``all_reduce`` scales
+    by the largest norm over workers, sums the integer codes and decodes the sum."""
     T, n = grads_seq[NAMES[0]].shape[:2]
     res = {k: np.zeros(grads_seq[k].shape[1:], np.float32) for k in NAMES}
 
@@ -164,23 +167,37 @@ def np_qsgd_run(grads_seq, levels, seed, bucket=None, ef=False):
         offset = 0
         for k, (m, b) in zip(NAMES, layout):
             d = math.prod(SHAPES[k])
-            total = np.zeros(d, np.float32)
+            xs, vs, norms = [], [], []
             for i in range(n):
                 x = (grads_seq[k][t, i].reshape(d) + res[k][i].reshape(d)).astype(np.float32)
                 v = np.zeros(m * b, np.float32)
                 v[:d] = x
                 v = v.reshape(m, b)
-                norm = np.sqrt(np.sum(v.astype(np.float64) ** 2, axis=1)).astype(np.float32)
-                safe = np.where(norm > 0, norm, np.float32(1))
-                r = np.abs(v) / safe[:, None] * s
+                xs.append(x)
+                vs.append(v)
+                norms.append(np.sqrt(np.sum(v.astype(np.float64) ** 2, axis=1)).astype(np.float32))
+            shared = np.max(norms, axis=0)  # what the pmax gives every worker
+            total = np.zeros(d, np.float32)
+            code_sum = np.zeros(m * b, np.int64)
+            for i in range(n):
+                scale = shared if aggregate == "all_reduce" else norms[i]
+                safe = np.where(scale > 0, scale, np.float32(1))
+                r = np.abs(vs[i]) / safe[:, None] * s
                 u = u_all[i][offset : offset + m * b].reshape(m, b)
                 level = np.minimum(np.floor(r + u), s)
-                code = np.sign(v) * level
-                c = (code * (norm / s)[:, None]).reshape(-1)[:d].astype(np.float32)
+                code = np.sign(vs[i]) * level
+                assert np.all(np.abs(code) <= levels)
+                code_sum += code.reshape(-1).astype(np.int64)
+                c = (code * (scale / s)[:, None]).reshape(-1)[:d].astype(np.float32)
                 total = total + c
                 if ef:
-                    res[k][i] = (x - c).reshape(SHAPES[k])
-            out[k] = (total / np.float32(n)).reshape(SHAPES[k])
+                    res[k][i] = (xs[i] - c).reshape(SHAPES[k])
+            if aggregate == "all_reduce":
+                assert np.all(np.abs(code_sum) <= n * levels)
+                summed = code_sum.reshape(m, b).astype(np.float32) * (shared / s)[:, None]
+                out[k] = (summed.reshape(-1)[:d] / np.float32(n)).reshape(SHAPES[k])
+            else:
+                out[k] = (total / np.float32(n)).reshape(SHAPES[k])
             offset += m * b
         outs.append(out)
     return outs, res
@@ -194,9 +211,14 @@ CASES = {
         lambda g: np_scaled_sign_run(g, ef=False),
     ),
     "qsgd": (lambda: jd.qsgd(4, seed=1), lambda g: np_qsgd_run(g, 4, 1)),
+    # 20 levels: int8 sums up to 6 workers, int16 at 8.
     "qsgd_buckets_ef": (
-        lambda: jd.qsgd(2, seed=2, bucket_size=3, error_feedback=True),
-        lambda g: np_qsgd_run(g, 2, 2, bucket=3, ef=True),
+        lambda: jd.qsgd(20, seed=2, bucket_size=3, error_feedback=True),
+        lambda g: np_qsgd_run(g, 20, 2, bucket=3, ef=True),
+    ),
+    "qsgd_gather_buckets_ef": (
+        lambda: jd.qsgd(2, seed=2, bucket_size=3, error_feedback=True, aggregate="all_gather"),
+        lambda g: np_qsgd_run(g, 2, 2, bucket=3, ef=True, aggregate="all_gather"),
     ),
 }
 
@@ -286,12 +308,15 @@ def _qsgd_once(tx, g, keys):
     return jax.jit(jax.vmap(one))(keys)
 
 
-def test_qsgd_is_unbiased():
+@pytest.mark.parametrize("aggregate", ["all_reduce", "all_gather"])
+def test_qsgd_is_unbiased(aggregate):
+    """Mean over many seeds is the mean gradient; workers' norms differ by 10x, so
+    under all_reduce the small ones are quantized against the shared (largest) norm."""
     rng = np.random.default_rng(3)
-    g = {"v": rng.standard_normal((2, 6)).astype(np.float32)}
+    g = {"v": (rng.standard_normal((3, 6)) * np.float32([[1.0], [0.3], [3.0]])).astype(np.float32)}
     N = 4000
     keys = jax.random.split(jax.random.PRNGKey(0), N)
-    outs = np.asarray(_qsgd_once(jd.qsgd(1), g, keys)["v"], np.float64)
+    outs = np.asarray(_qsgd_once(jd.qsgd(1, aggregate=aggregate), g, keys)["v"], np.float64)
     est, se = outs.mean(0), outs.std(0) / np.sqrt(N)
     assert np.all(se > 0)
     np.testing.assert_array_less(np.abs(est - g["v"].mean(0)), 5 * se + 1e-6)
@@ -311,10 +336,11 @@ def test_qsgd_levels_round_to_neighbours():
     assert np.all(np.round(levels) >= np.floor(r) - 1e-6) and np.all(np.round(levels) <= np.ceil(r) + 1e-6)
 
 
-def test_qsgd_many_levels_is_the_mean():
+@pytest.mark.parametrize("aggregate", ["all_reduce", "all_gather"])
+def test_qsgd_many_levels_is_the_mean(aggregate):
     g = make_grads(5, 1, 3)
     g = jax.tree.map(lambda x: x[0], g)
-    out = helpers.run_transform(jd.qsgd(2**20), g, backend="shard_map")
+    out = helpers.run_transform(jd.qsgd(2**20, aggregate=aggregate), g, backend="shard_map")
     helpers.assert_trees_close(out, jax.tree.map(lambda x: x.mean(0), g), rtol=1e-4, atol=1e-5)
 
 
@@ -340,6 +366,58 @@ def test_qsgd_code_dtype():
     assert q.qsgd_code_dtype(128) == jnp.int16
     assert q.qsgd_code_dtype(32767) == jnp.int16
     assert q.qsgd_code_dtype(32768) == jnp.int32
+
+
+def test_qsgd_sum_dtype():
+    assert q.qsgd_sum_dtype(127, 1) == jnp.int8
+    assert q.qsgd_sum_dtype(15, 8) == jnp.int8
+    assert q.qsgd_sum_dtype(16, 8) == jnp.int16
+    assert q.qsgd_sum_dtype(64, 8) == jnp.int16
+    assert q.qsgd_sum_dtype(4095, 8) == jnp.int16  # 32760
+    assert q.qsgd_sum_dtype(4096, 8) == jnp.int32  # 32768
+    assert q.qsgd_sum_dtype(2**31 - 1, 1) == jnp.int32
+    with pytest.raises(ValueError, match=r"`levels` \* workers must be at most 2\*\*31 - 1"):
+        q.qsgd_sum_dtype(2**28, 8)
+
+
+@pytest.mark.parametrize(
+    "levels, n, dtype", [(64, 8, jnp.int16), (15, 8, jnp.int8), (16, 8, jnp.int16), (64, 1, jnp.int8)]
+)
+def test_qsgd_all_reduce_sums_in_the_smallest_safe_int(levels, n, dtype):
+    """A pmax of the 3 float32 norms, then one psum of the 74 codes in ``dtype``."""
+    found = _collectives(jd.qsgd(levels), MIXED, n)
+    assert found == [("pmax", 4 * 3), ("psum_invariant", 74 * jnp.dtype(dtype).itemsize)]
+
+
+@pytest.mark.parametrize("n, levels, dtype", [(127, 1, jnp.int8), (43, 3, jnp.int16)])
+def test_qsgd_all_reduce_largest_sums_are_exact(n, levels, dtype):
+    """Every worker sends code +levels (or -levels) on an entry: the sum reaches n * levels
+    (127 in int8; 129 just past it, in int16) and decodes to the exact mean."""
+    assert q.qsgd_sum_dtype(levels, n) == dtype
+    g = {"a": np.tile(np.float32([2.0, 0.0]), (n, 1)), "b": np.tile(np.float32([0.0, -0.5]), (n, 1))}
+    out = helpers.run_transform(jd.qsgd(levels), g, backend="vmap")
+    helpers.assert_trees_close(
+        out, {"a": np.float32([2.0, 0.0]), "b": np.float32([0.0, -0.5])}, rtol=1e-6, atol=0
+    )
+
+
+def test_qsgd_all_reduce_too_many_levels_for_int32_raises_when_traced():
+    tx = jd.qsgd(2**30)
+    g = {"v": np.ones((3, 4), np.float32)}
+    with pytest.raises(ValueError, match=r"`levels` \* workers .* got 1073741824 \* 3"):
+        helpers.run_transform(tx, g, backend="vmap")
+    out = helpers.run_transform(jd.qsgd(2**30, aggregate="all_gather"), g, backend="vmap")
+    np.testing.assert_allclose(out["v"], np.ones(4), rtol=1e-6)
+
+
+def test_qsgd_one_worker_both_modes_agree():
+    """With one worker the shared scale is the worker's own norm: the modes are the same algorithm."""
+    grads = make_grads(9, 4, 1, zeros=True)
+    outs = [
+        scan_steps(jd.qsgd(5, bucket_size=4, aggregate=a), grads, zero_params(), backend="vmap")[0]
+        for a in ("all_reduce", "all_gather")
+    ]
+    helpers.assert_trees_close(outs[0], outs[1], rtol=1e-6, atol=0)
 
 
 # ----------------------------------------------------------------------------
@@ -385,10 +463,13 @@ MIXED = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,)), "h": jnp.zeros((41,), jnp
     [
         (lambda: jd.sign_majority_vote(), math.ceil(74 / 8)),
         (lambda: jd.scaled_sign(), math.ceil(74 / 8) + 4 * 3),
-        (lambda: jd.qsgd(127), 74 * 1 + 4 * 3),
-        (lambda: jd.qsgd(128), 74 * 2 + 4 * 3),
-        (lambda: jd.qsgd(40000), 74 * 4 + 4 * 3),
-        (lambda: jd.qsgd(5, bucket_size=8), 74 * 1 + 4 * (math.ceil(30 / 8) + 1 + math.ceil(41 / 8))),
+        (lambda: jd.qsgd(127, aggregate="all_gather"), 74 * 1 + 4 * 3),
+        (lambda: jd.qsgd(128, aggregate="all_gather"), 74 * 2 + 4 * 3),
+        (lambda: jd.qsgd(40000, aggregate="all_gather"), 74 * 4 + 4 * 3),
+        (
+            lambda: jd.qsgd(5, bucket_size=8, aggregate="all_gather"),
+            74 * 1 + 4 * (math.ceil(30 / 8) + 1 + math.ceil(41 / 8)),
+        ),
     ],
     ids=["majority_vote", "scaled_sign", "qsgd127", "qsgd128", "qsgd40000", "qsgd_buckets"],
 )
@@ -421,6 +502,7 @@ ALL = {
     "majority_vote": lambda: jd.sign_majority_vote(),
     "scaled_sign": lambda: jd.scaled_sign(),
     "qsgd": lambda: jd.qsgd(3, bucket_size=4),
+    "qsgd_gather": lambda: jd.qsgd(3, bucket_size=4, aggregate="all_gather"),
 }
 
 
@@ -459,7 +541,7 @@ def test_contract(name):
 
 def test_bf16_updates_come_back_bf16():
     g = {"v": jnp.asarray(np.random.default_rng(0).standard_normal((2, 9)), jnp.bfloat16)}
-    for tx in (jd.sign_majority_vote(), jd.scaled_sign(), jd.qsgd(3)):
+    for tx in (jd.sign_majority_vote(), jd.scaled_sign(), jd.qsgd(3), jd.qsgd(3, aggregate="all_gather")):
         assert helpers.run_transform(tx, g, backend="shard_map")["v"].dtype == jnp.bfloat16
 
 
@@ -515,6 +597,13 @@ def test_unbound_axis_error_names_the_transform():
         (jd.qsgd, {"levels": 2, "seed": -2}, ValueError, r"`seed` must be an int >= 0"),
         (jd.qsgd, {"levels": 2, "error_feedback": None}, TypeError, r"`error_feedback` must be a bool"),
         (jd.qsgd, {"levels": 2, "axis_name": {"data"}}, TypeError, r"`axis_name` must be a hashable name"),
+        (
+            jd.qsgd,
+            {"levels": 2, "aggregate": "x"},
+            ValueError,
+            r"`aggregate` must be 'all_reduce' or 'all_gather'",
+        ),
+        (jd.qsgd, {"levels": 2, "aggregate": None}, ValueError, r"`aggregate` must be .*; got None"),
         (jd.scaled_sign, {"error_feedback": 1}, TypeError, r"`error_feedback` must be a bool"),
         (jd.scaled_sign, {"axis_name": None}, ValueError, r"`axis_name` must name the mapped axis"),
         (jd.sign_majority_vote, {"axis_name": ()}, ValueError, r"`axis_name` must not be an empty tuple"),

@@ -3,7 +3,9 @@
 Every worker's message is packed into one uint8 buffer (signs bit-packed, 8
 per byte; small integer codes; float32 scales) and all-gathered once; every
 worker decodes the ``n`` messages in worker order, so the output is the same
-bit for bit on every worker.
+bit for bit on every worker. QSGD can instead (and by default does) share one
+scale per bucket (a small ``pmax``) and sum the integer codes with one
+integer all-reduce, whose size does not grow with the number of workers.
 
 Sign convention: a sign travels as one bit, so an entry has sign ``-1`` when
 it is negative (``x < 0``) and ``+1`` otherwise (zeros, ``-0.0`` and NaN
@@ -237,12 +239,37 @@ class QSGDState(NamedTuple):
 
 
 def qsgd_code_dtype(levels: int) -> Any:
-    """The integer type of :func:`qsgd`'s codes: int8 up to 127 levels, int16 up to 32767, else int32."""
+    """The integer type of :func:`qsgd`'s gathered codes (``aggregate="all_gather"``).
+
+    int8 up to 127 levels, int16 up to 32767, else int32.
+    """
     if levels <= 127:
         return jnp.int8
     if levels <= 32767:
         return jnp.int16
     return jnp.int32
+
+
+def qsgd_sum_dtype(levels: int, n: int) -> Any:
+    """The integer type in which ``aggregate="all_reduce"`` sums :func:`qsgd`'s codes over ``n`` workers.
+
+    The smallest signed type that holds ``n * levels`` (the largest possible
+    sum): int8 up to 127, int16 up to 32767, int32 up to ``2**31 - 1``.
+
+    Raises:
+      ValueError: ``n * levels > 2**31 - 1`` (no integer all-reduce can hold the sum).
+    """
+    top = n * levels
+    if top <= 127:
+        return jnp.int8
+    if top <= 32767:
+        return jnp.int16
+    if top <= 2**31 - 1:
+        return jnp.int32
+    raise ValueError(
+        f"`levels` * workers must be at most 2**31 - 1 for aggregate='all_reduce'; got "
+        f"{levels} * {n} = {top}. Lower `levels` or use aggregate='all_gather'."
+    )
 
 
 def qsgd_uniforms(step_key: jax.Array, worker: jax.Array | int, total: int) -> jax.Array:
@@ -257,8 +284,32 @@ def _buckets(d: int, bucket_size: int | None) -> tuple[int, int]:
     return -(-d // bucket_size), bucket_size
 
 
+_AGGREGATES = ("all_gather", "all_reduce")
+_DEFAULT_AGGREGATE = "all_reduce"
+
+
+def _quantize(
+    blocks: jax.Array, scale: jax.Array, u: jax.Array, s: jax.Array, d: int, dtype: Any
+) -> jax.Array:
+    """Stochastic rounding of ``blocks`` (m, b) to ``sign * floor(s |v| / scale + u)`` in ``[-s, s]``; flat[:d]."""
+    safe = jnp.where(scale > 0, scale, jnp.float32(1))
+    r = jnp.abs(blocks) / safe[:, None] * s
+    level = jnp.minimum(jnp.floor(r + u), s)
+    return (jnp.sign(blocks) * level).reshape(-1)[:d].astype(dtype)
+
+
+def _decode(code: jax.Array, scale: jax.Array, s: jax.Array, d: int, m: int, b: int) -> jax.Array:
+    """Flat float32 ``code * scale / s`` per bucket (``code`` flat with ``d`` entries)."""
+    blocks = jnp.pad(code.astype(jnp.float32), (0, m * b - d)).reshape(m, b)
+    return (blocks * (scale / s)[:, None]).reshape(-1)[:d]
+
+
 def _qsgd_compressor(
-    levels: int, bucket_size: int | None, seed: int, axis_name: base.AxisName
+    levels: int,
+    bucket_size: int | None,
+    seed: int,
+    axis_name: base.AxisName,
+    aggregate: str = _DEFAULT_AGGREGATE,
 ) -> ef.Compressor:
     code_dtype = qsgd_code_dtype(levels)
     s = jnp.float32(levels)
@@ -274,39 +325,58 @@ def _qsgd_compressor(
         key, step_key = jax.random.split(state.key)
         if not leaves:
             return updates, updates, QSGDState(key=key)
-        shapes = [_buckets(d, bucket_size) for d in _sizes(leaves)]
+        sizes = _sizes(leaves)
+        shapes = [_buckets(d, bucket_size) for d in sizes]
         u = qsgd_uniforms(step_key, comm.axis_index(axis_name, caller="qsgd"), sum(m * b for m, b in shapes))
-        codes, norms, offset = [], [], 0
+        blocks, us, norms, offset = [], [], [], 0
         for x, (m, b) in zip(leaves, shapes):
             v = jnp.ravel(x).astype(jnp.float32)
-            d = v.shape[0]
-            blocks = jnp.pad(v, (0, m * b - d)).reshape(m, b)
-            norm = jnp.sqrt(jnp.sum(blocks * blocks, axis=1))
-            safe = jnp.where(norm > 0, norm, jnp.float32(1))
-            r = jnp.abs(blocks) / safe[:, None] * s
-            level = jnp.minimum(jnp.floor(r + u[offset : offset + m * b].reshape(m, b)), s)
-            code = (jnp.sign(blocks) * level).reshape(-1)[:d].astype(code_dtype)
-            codes.append(code)
-            norms.append(norm)
+            bl = jnp.pad(v, (0, m * b - v.shape[0])).reshape(m, b)
+            blocks.append(bl)
+            norms.append(jnp.sqrt(jnp.sum(bl * bl, axis=1)))
+            us.append(u[offset : offset + m * b].reshape(m, b))
             offset += m * b
-        g = comm.all_gather_packed(codes + norms, axis_name, caller="qsgd")
-        g_codes, g_norms = g[: len(leaves)], g[len(leaves) :]
+        layout = list(zip(sizes, shapes))
         out, contrib = [], []
-        for x, (m, b), code, norm, gc, gn in zip(leaves, shapes, codes, norms, g_codes, g_norms):
-            d = math.prod(x.shape)
-
-            def decode(c, nrm, d=d, m=m, b=b):
-                blocks = jnp.pad(c.astype(jnp.float32), (0, m * b - d)).reshape(m, b)
-                return (blocks * (nrm / s)[:, None]).reshape(-1)[:d]
-
-            summed = _ordered_sum(
-                n, lambda w, gc=gc, gn=gn, decode=decode: decode(gc[w], gn[w]), jnp.zeros((d,), jnp.float32)
-            )
-            out.append((summed / jnp.float32(n)).reshape(x.shape).astype(x.dtype))
-            contrib.append(decode(code, norm).reshape(x.shape).astype(x.dtype))
+        if aggregate == "all_gather":
+            codes = [
+                _quantize(bl, nrm, ui, s, d, code_dtype)
+                for bl, nrm, ui, (d, _) in zip(blocks, norms, us, layout)
+            ]
+            g = comm.all_gather_packed(codes + norms, axis_name, caller="qsgd")
+            g_codes, g_norms = g[: len(leaves)], g[len(leaves) :]
+            for (d, (m, b)), code, norm, gc, gn in zip(layout, codes, norms, g_codes, g_norms):
+                summed = _ordered_sum(
+                    n,
+                    lambda w, gc=gc, gn=gn, d=d, m=m, b=b: _decode(gc[w], gn[w], s, d, m, b),
+                    jnp.zeros((d,), jnp.float32),
+                )
+                out.append(summed / jnp.float32(n))
+                contrib.append(_decode(code, norm, s, d, m, b))
+        else:
+            sum_dtype = qsgd_sum_dtype(levels, n)
+            # One small all-reduce: the largest norm of each bucket over workers, shared by all.
+            all_scales = comm.pmax(jnp.concatenate(norms), axis_name, caller="qsgd")
+            scales, start = [], 0
+            for m, _ in shapes:
+                scales.append(all_scales[start : start + m])
+                start += m
+            codes = [
+                _quantize(bl, sc, ui, s, d, sum_dtype)
+                for bl, sc, ui, (d, _) in zip(blocks, scales, us, layout)
+            ]
+            # One all-reduce of every code, in an integer type that cannot overflow.
+            summed = comm.psum(jnp.concatenate(codes), axis_name, caller="qsgd")
+            start = 0
+            for (d, (m, b)), code, scale in zip(layout, codes, scales):
+                out.append(_decode(summed[start : start + d], scale, s, d, m, b) / jnp.float32(n))
+                contrib.append(_decode(code, scale, s, d, m, b))
+                start += d
         return (
-            jax.tree.unflatten(treedef, out),
-            jax.tree.unflatten(treedef, contrib),
+            jax.tree.unflatten(treedef, [o.reshape(x.shape).astype(x.dtype) for o, x in zip(out, leaves)]),
+            jax.tree.unflatten(
+                treedef, [c.reshape(x.shape).astype(x.dtype) for c, x in zip(contrib, leaves)]
+            ),
             QSGDState(key=key),
         )
 
@@ -320,61 +390,105 @@ def qsgd(
     seed: int = 0,
     bucket_size: int | None = None,
     error_feedback: bool = False,
+    aggregate: str = "all_reduce",
 ) -> optax.GradientTransformationExtraArgs:
     r"""QSGD: unbiased stochastic quantization to ``levels`` levels per sign.
 
     Each worker quantizes every bucket :math:`v` of :math:`d` entries (a whole
-    leaf by default) to
+    leaf by default) against a scale :math:`\sigma \ge \lVert v \rVert_2` to
 
     .. math::
-      Q_s(v)_j = \lVert v \rVert_2 \, \operatorname{sign}(v_j)\, \frac{\ell_j}{s},
+      Q_s(v)_j = \sigma \, \operatorname{sign}(v_j)\, \frac{\ell_j}{s},
       \qquad \ell_j = \lfloor r_j + \xi_j \rfloor, \quad
-      r_j = s\,\frac{|v_j|}{\lVert v \rVert_2}, \quad \xi_j \sim U[0, 1),
+      r_j = s\,\frac{|v_j|}{\sigma}, \quad \xi_j \sim U[0, 1),
 
     so :math:`\ell_j` rounds :math:`r_j` up with probability equal to its
-    fractional part and :math:`\mathbb{E}[Q_s(v)] = v`. A worker sends the
-    integer codes :math:`\operatorname{sign}(v_j)\ell_j \in [-s, s]` and the
-    float32 norm of each bucket; every worker decodes all messages and
-    averages them in worker order: :math:`u = \frac1n \sum_i Q_s(x_i)`.
+    fractional part and :math:`\mathbb{E}[Q_s(v)] = v`; the integer codes
+    :math:`\operatorname{sign}(v_j)\ell_j` lie in :math:`[-s, s]`. The output
+    is :math:`u = \frac1n \sum_i Q_s(x_i)`, the same bit for bit on every
+    worker. ``aggregate`` chooses how the codes travel:
+
+    * ``"all_reduce"`` (default): the scale of a bucket is the largest of the
+      workers' bucket norms, :math:`\sigma = \max_i \lVert v_i \rVert_2`
+      (one small ``pmax``), so the codes of all workers share it and are
+      summed with one integer all-reduce in :func:`qsgd_sum_dtype`\ ``(levels,
+      n)``, the smallest signed type that holds :math:`n s`; every worker
+      decodes :math:`u = \sigma \, (\sum_i c_i) / s / n`.
+    * ``"all_gather"``: the paper's scheme: :math:`\sigma = \lVert v
+      \rVert_2`, each worker's own norm; every worker all-gathers the codes
+      (:func:`qsgd_code_dtype`\ ``(levels)``) and norms of all workers, decodes
+      them and adds them in worker order.
+
+    Why all-reduce by default: the sum of the codes has as many entries as one
+    worker's codes, so each worker moves about ``2 c D`` bytes (``c`` only
+    steps from 1 to 2 to 4 bytes as ``n * levels`` grows), while an
+    all-gather receives every other worker's message, ``(n - 1) c D``,
+    already as much as a dense float32 all-reduce at 8 workers with int8
+    codes. On ResNet-18's gradients with 16 levels (``communication_cost``):
+    39.1 MB per worker and step against 78.2 MB for the all-gather (and for
+    dense) at 8 workers, 44.0 MB against 704 MB at 64 workers; with
+    ``levels <= 15`` at 8 workers the sums fit int8 and the all-reduce is 4x
+    smaller than dense. The bytes are equal at 2 workers (for ``levels <=
+    63``) and fewer with the all-reduce from 3 workers on. What it costs: the
+    shared scale is the largest norm, so a worker whose bucket norm is well
+    below the others' is quantized more coarsely (still unbiased; the variance
+    bound grows by at most :math:`(\sigma / \lVert v \rVert_2)^2`), and a ring
+    all-reduce takes ``2 (n - 1)`` latency steps (plus the small ``pmax``)
+    against ``n - 1`` for an all-gather, which can matter for tiny models.
+    Choose ``"all_gather"`` for the exact algorithm of the paper.
 
     Randomness is per worker: the state key is split at each step into
     ``(next_key, step_key)``; worker ``i`` draws
     ``jax.random.uniform(fold_in(step_key, i), (P,))`` (:func:`qsgd_uniforms`)
     for the ``P`` entries of all its leaves, each leaf padded with zeros to a
-    whole number of buckets, laid out leaf after leaf.
+    whole number of buckets, laid out leaf after leaf (both modes).
 
     Args:
       levels: :math:`s`, quantization levels per sign (Python int >= 1);
-        ``levels=1`` is ternary (signs times the norm, stochastically).
+        ``levels=1`` is ternary (signs times the scale, stochastically).
       axis_name: the mapped axis (or tuple of axes) of the workers.
       seed: seeds the key (Python int >= 0).
       bucket_size: quantize in buckets of this many entries (each with its own
         norm), as in the paper's experiments (e.g. 512); None uses one bucket
         per leaf. Bucketing lowers the variance, :math:`\min(d/s^2,
-        \sqrt{d}/s)` times the squared norm at most.
+        \sqrt{d}/s)` times the squared scale at most.
       error_feedback: keep the quantization error in a per-worker residual
-        (off by default: QSGD is unbiased on its own).
+        (off by default: QSGD is unbiased on its own). A worker's
+        contribution is its own decoded codes, :math:`Q_s(x_i)` (with the
+        shared scale under ``"all_reduce"``).
+      aggregate: ``"all_reduce"`` or ``"all_gather"`` (see above). With
+        ``"all_reduce"``, ``levels`` times the number of workers must be at
+        most ``2**31 - 1`` (checked when the update is traced).
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
       :class:`jaxopt_dist.ErrorFeedbackState` with a :class:`QSGDState`
-      inside. ``levels`` and ``bucket_size`` fix shapes and dtypes: under
-      :func:`optax.inject_hyperparams` list them in ``static_args``.
+      inside. ``levels``, ``bucket_size`` and ``aggregate`` fix shapes and
+      dtypes: under :func:`optax.inject_hyperparams` list them in
+      ``static_args``.
 
     Communication:
-      One all-gather of a uint8 buffer of ``B = c D + 4 M`` bytes per worker:
-      the codes of all ``D = sum_l d_l`` entries, ``c`` bytes each (``c = 1``,
-      int8, for ``levels <= 127``; 2 up to 32767; else 4; see
-      :func:`qsgd_code_dtype`), then the float32 norms of the
-      ``M = sum_l ceil(d_l / bucket_size)`` buckets (``M = L``, the number of
-      leaves, when ``bucket_size`` is None). Padding is not sent. Each worker
-      sends ``B`` bytes and receives ``(n - 1) B``. Outputs and ``key`` are
-      replicated; the residual (if any) is per-worker.
+      With ``D = sum_l d_l`` entries in all leaves and ``M = sum_l
+      ceil(d_l / bucket_size)`` buckets (``M = L``, the number of leaves,
+      when ``bucket_size`` is None); padding is never sent.
 
-      Gathered messages are received from every worker, so the traffic grows
-      with ``n``: with int8 codes a ring all-gather moves about ``(n - 1) D``
-      bytes per worker against ``2 (n - 1) / n * 4 D`` for a float32 ring
-      all-reduce, i.e. ``8 / n`` times less (no saving from 8 workers on).
+      ``aggregate="all_reduce"``: one all-reduce (``pmax``) of the ``M``
+      float32 bucket norms and one all-reduce (``psum``) of the ``D`` codes,
+      ``c`` bytes each with ``c = 1`` (int8) if ``n * levels <= 127``, 2
+      (int16) if ``<= 32767``, else 4 (see :func:`qsgd_sum_dtype`). As ring
+      all-reduces each worker sends (and receives)
+      ``2 (n - 1) / n * (c D + 4 M)`` bytes: ``4 / c`` times less than a
+      float32 all-reduce of the gradients, ``2 (n - 1) / n * 4 D``.
+
+      ``aggregate="all_gather"``: one all-gather of a uint8 buffer of
+      ``B = c D + 4 M`` bytes per worker: the codes, ``c`` bytes each with
+      ``c = 1`` (int8) for ``levels <= 127``, 2 up to 32767, else 4 (see
+      :func:`qsgd_code_dtype`), then the ``M`` float32 norms. Each worker
+      sends ``B`` bytes and receives ``(n - 1) B``: about ``8 / (c n)``
+      times less than a float32 ring all-reduce, i.e. no saving from
+      ``n = 8 / c`` workers on.
+
+      Outputs and ``key`` are replicated; the residual (if any) is per-worker.
 
     References:
       Alistarh, Grubic, Li, Tomioka and Vojnovic, `QSGD: Communication-Efficient
@@ -388,4 +502,8 @@ def qsgd(
     if bucket_size is not None:
         bucket_size = base.check_positive_int(bucket_size, "bucket_size")
     _check_bool(error_feedback, "error_feedback")
-    return ef.error_feedback(_qsgd_compressor(levels, bucket_size, seed, axis_name), enabled=error_feedback)
+    if not isinstance(aggregate, str) or aggregate not in _AGGREGATES:
+        raise ValueError(f"`aggregate` must be 'all_reduce' or 'all_gather'; got {aggregate!r}.")
+    return ef.error_feedback(
+        _qsgd_compressor(levels, bucket_size, seed, axis_name, aggregate), enabled=error_feedback
+    )
