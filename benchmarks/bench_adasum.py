@@ -24,33 +24,17 @@ Run: ``python benchmarks/bench_adasum.py`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+import _common  # first: sets XLA_FLAGS / JAX_PLATFORMS before jax loads
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jaxopt_dist as jd
 
-import jaxopt_dist as jd  # noqa: E402
-
-try:  # the public names once the lead exports them
-    adasum = jd.adasum  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - before integration
-    from jaxopt_dist._src.adasum import adasum
-try:
-    communication_cost = jd.communication_cost  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - before integration
-    from jaxopt_dist._src.accounting import communication_cost
-
-N_WORKERS = 8
+N_WORKERS = _common.N_WORKERS
 
 
 # ----------------------------------------------------------------------------
@@ -65,67 +49,34 @@ def communication_table(worker_counts, models) -> str:
     )
     methods = {
         "mean": lambda: jd.all_reduce(flatten=True),
-        "butterfly": lambda: adasum(),
-        "halving": lambda: adasum(method="halving"),
+        "butterfly": lambda: jd.adasum(),
+        "halving": lambda: jd.adasum(method="halving"),
     }
     for model_name, params in models.items():
         params_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
         for n in worker_counts:
             for name, make in methods.items():
-                cost = communication_cost(make(), params, axis_size=n)
+                cost = jd.communication_cost(make(), params, axis_size=n)
                 (step,) = [s for s in cost.steps if s.step in set(cost.period)][:1] or cost.steps[:1]
                 latency = sum(c.rounds() for c in step.collectives)
                 rows.append(
-                    f"{model_name:<12}{n:>4}  {name:<10}{_fmt_bytes(cost.sent_bytes):>15}"
+                    f"{model_name:<12}{n:>4}  {name:<10}{_common.fmt_bytes(cost.sent_bytes):>15}"
                     f"{cost.sent_bytes / params_bytes:>10.3f}{cost.calls:>13.0f}{latency:>15d}"
                 )
             rows.append("")
     return "\n".join([header, "-" * len(header), *rows])
 
 
-def _fmt_bytes(b: float) -> str:
-    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
-        if b >= scale:
-            return f"{b / scale:.4g} {unit}"
-    return f"{b:.4g} B"
-
-
 # ----------------------------------------------------------------------------
 # Part 2: convergence on digits.
-
-
-def load_data(seed: int = 0):
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    return x[perm][:1440], y[perm][:1440].astype(np.int32)
-
-
-def init_params(seed: int = 0, hidden: int = 32):
-    rng = np.random.default_rng(seed)
-    return {
-        "b1": jnp.zeros(hidden, jnp.float32),
-        "b2": jnp.zeros(10, jnp.float32),
-        "w1": jnp.asarray(rng.standard_normal((64, hidden)) / 8.0, jnp.float32),
-        "w2": jnp.asarray(rng.standard_normal((hidden, 10)) / np.sqrt(hidden), jnp.float32),
-    }
-
-
-def loss_fn(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
-    logits = h @ params["w2"] + params["b2"][None, :]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
 def steps_to_target(tx, data, *, steps, per_worker_batch, target, eval_every, seed=1):
     """Steps until the full training loss is below ``target`` (None if never); also the final loss."""
     x, y = data
-    mesh = jax.make_mesh((N_WORKERS,), ("data",), devices=jax.devices()[:N_WORKERS])
-    step = jd.data_parallel_step(loss_fn, tx, mesh=mesh)
-    params, state = step.init(init_params())
-    full = jax.jit(lambda p: loss_fn(p, {"x": x, "y": y}))
+    step = jd.data_parallel_step(_common.mlp_loss, tx, mesh=_common.data_mesh(N_WORKERS))
+    params, state = step.init(_common.mlp_init())
+    full = jax.jit(lambda p: _common.mlp_loss(p, {"x": x, "y": y}))
     rng = np.random.default_rng(seed)
     hit, loss = None, float("nan")
     for t in range(1, steps + 1):
@@ -141,10 +92,11 @@ def steps_to_target(tx, data, *, steps, per_worker_batch, target, eval_every, se
 
 
 def convergence_table(learning_rates, *, steps, per_worker_batch, target, eval_every) -> str:
-    data = load_data()
+    x, y, _, _ = _common.load_digits()
+    data = x, y
     variants = {
         "mean": lambda lr: optax.chain(jd.all_reduce(), jd.sgd(lr)),
-        "adasum": lambda lr: optax.chain(adasum(), jd.sgd(lr)),
+        "adasum": lambda lr: optax.chain(jd.adasum(), jd.sgd(lr)),
         "sum (= mean at 8 lr)": lambda lr: optax.chain(jd.all_reduce(reduction="sum"), jd.sgd(lr)),
     }
     header = f"{'lr':>6}" + "".join(f"{name:>26}" for name in variants)
@@ -178,8 +130,7 @@ def convergence_table(learning_rates, *, steps, per_worker_batch, target, eval_e
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
+    parser = _common.parser(__doc__)
     parser.add_argument(
         "--only",
         choices=("comm", "convergence"),
@@ -189,12 +140,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         worker_counts = (3, 8)
-        models = {"digits-mlp": init_params()}
+        models = {"digits-mlp": _common.mlp_init()}
         lrs, steps, eval_every = (0.3, 1.0), 40, 5
     else:
         worker_counts = (2, 3, 4, 6, 8, 16, 64)
         models = {
-            "digits-mlp": init_params(),
+            "digits-mlp": _common.mlp_init(),
             "4M-f32": {
                 "w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32),
                 "b": jax.ShapeDtypeStruct((1024,), jnp.float32),

@@ -39,28 +39,19 @@ meaningful on a quiet machine.
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import statistics
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+import _common  # first: sets XLA_FLAGS / JAX_PLATFORMS before jax loads
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jaxopt_dist as jd  # noqa: E402
-from jaxopt_dist._src.accounting import communication_cost, hlo_collectives  # noqa: E402
-from jaxopt_dist._src.powersgd import powersgd  # noqa: E402
+import jaxopt_dist as jd
 
 P = jax.sharding.PartitionSpec
-N_WORKERS = 8
+N_WORKERS = _common.N_WORKERS
 PAPER_RATIOS = {1: 243.0, 2: 136.0, 4: 72.0}
 
 
@@ -103,29 +94,19 @@ def resnet18_cifar_shapes(width: int = 64) -> dict[str, tuple[int, ...]]:
 
 
 def methods() -> dict[str, object]:
-    """Label -> factory. Compressors from sibling modules are used when they import."""
+    """Label -> factory."""
     out: dict[str, object] = {
         "dense (all_reduce)": lambda: jd.all_reduce(),
         "bf16 all_reduce": lambda: jd.all_reduce(dtype=jnp.bfloat16),
+        "top-k 1%": lambda: jd.top_k(density=0.01),
+        "random-k 1%": lambda: jd.random_k(density=0.01),
+        "sign (majority vote)": lambda: jd.sign_majority_vote(),
+        "EF-sign (scaled)": lambda: jd.scaled_sign(),
+        "QSGD 16 levels": lambda: jd.qsgd(16),
     }
-    try:
-        from jaxopt_dist._src.sparsify import random_k, top_k
-
-        out["top-k 1%"] = lambda: top_k(density=0.01)
-        out["random-k 1%"] = lambda: random_k(density=0.01)
-    except ImportError as e:  # pragma: no cover
-        print(f"(sparsify not available: {e})")
-    try:
-        from jaxopt_dist._src.quantize import qsgd, scaled_sign, sign_majority_vote
-
-        out["sign (majority vote)"] = lambda: sign_majority_vote()
-        out["EF-sign (scaled)"] = lambda: scaled_sign()
-        out["QSGD 16 levels"] = lambda: qsgd(16)
-    except ImportError as e:  # pragma: no cover
-        print(f"(quantize not available: {e})")
     for rank in (1, 2, 4):
-        out[f"PowerSGD r{rank}"] = lambda rank=rank: powersgd(rank)
-        out[f"PowerSGD r{rank} 1-allreduce"] = lambda rank=rank: powersgd(rank, one_allreduce=True)
+        out[f"PowerSGD r{rank}"] = lambda rank=rank: jd.powersgd(rank)
+        out[f"PowerSGD r{rank} 1-allreduce"] = lambda rank=rank: jd.powersgd(rank, one_allreduce=True)
     return out
 
 
@@ -173,7 +154,7 @@ def time_call(fn, args, repeats: int) -> float:
 
 
 def hlo_program_bytes(fn, args) -> tuple[float, dict]:
-    hlo = hlo_collectives(fn.lower(*args).compile().as_text())
+    hlo = jd.hlo_collectives(fn.lower(*args).compile().as_text())
     elements: dict = {}
     for h in hlo:
         elements[h.kind] = elements.get(h.kind, 0) + h.payload_elements
@@ -185,13 +166,6 @@ def site_elements(cost) -> dict:
     for c in cost.sites:
         out[c.kind] = out.get(c.kind, 0) + c.payload_elements
     return out
-
-
-def fmt_bytes(b: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.4g} {unit}"
-    return f"{b:.4g} B"
 
 
 # ----------------------------------------------------------------------------
@@ -317,10 +291,7 @@ def time_torch_hook(shapes, repeats: int) -> dict[int, tuple[float, float]] | No
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--quick", action="store_true", help="1/8 channel widths for the timed parts, 3 repeats"
-    )
+    parser = _common.parser(__doc__, quick_help="1/8 channel widths for the timed parts, 3 repeats")
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed runs per method (default 10, quick 3)"
     )
@@ -344,12 +315,14 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for label, make in methods().items():
-        cost = communication_cost(make(), full, axis_size=N_WORKERS)
+        cost = jd.communication_cost(make(), full, axis_size=N_WORKERS)
         kinds = "+".join(sorted(cost.by_kind()))
-        print(f"{label:<26}{fmt_bytes(cost.sent_bytes):>12}{kinds:>13}{cost.compression_ratio:>9.1f}x")
+        print(
+            f"{label:<26}{_common.fmt_bytes(cost.sent_bytes):>12}{kinds:>13}{cost.compression_ratio:>9.1f}x"
+        )
     print()
 
-    mesh = jax.make_mesh((N_WORKERS,), ("data",), devices=jax.devices()[:N_WORKERS])
+    mesh = _common.data_mesh(N_WORKERS)
     print(
         f"compiled update on {'the width-8 model (' if args.quick else 'the full model ('}"
         f"{n_params:,} parameters), {N_WORKERS} workers, {jax.device_count()} CPU devices, "
@@ -364,7 +337,7 @@ def main() -> None:
     dense_ms = None
     for label, make in methods().items():
         tx = make()
-        cost = communication_cost(tx, params, axis_size=N_WORKERS)
+        cost = jd.communication_cost(tx, params, axis_size=N_WORKERS)
         fn, fargs = build_step(tx, params, mesh)
         hlo_bytes, hlo_elems = hlo_program_bytes(fn, fargs)
         program = sum(c.sent_bytes() for c in cost.sites)
@@ -373,7 +346,7 @@ def main() -> None:
         if dense_ms is None:
             dense_ms = ms
         print(
-            f"{label:<26}{fmt_bytes(cost.sent_bytes):>12}{fmt_bytes(program):>12}{fmt_bytes(hlo_bytes):>12}"
+            f"{label:<26}{_common.fmt_bytes(cost.sent_bytes):>12}{_common.fmt_bytes(program):>12}{_common.fmt_bytes(hlo_bytes):>12}"
             f"{match:>7}{cost.compression_ratio:>8.1f}x{ms:>9.2f}{ms / dense_ms:>9.2f}"
         )
         del fn, fargs
@@ -385,9 +358,9 @@ def main() -> None:
     print("\nPowerSGD compression ratio on the full ResNet-18 vs the paper (Vogels et al. 2019, Table 6):")
     all_ok = True
     for rank, paper in PAPER_RATIOS.items():
-        ratio = communication_cost(powersgd(rank), full, axis_size=N_WORKERS).compression_ratio
-        one = communication_cost(
-            powersgd(rank, one_allreduce=True), full, axis_size=N_WORKERS
+        ratio = jd.communication_cost(jd.powersgd(rank), full, axis_size=N_WORKERS).compression_ratio
+        one = jd.communication_cost(
+            jd.powersgd(rank, one_allreduce=True), full, axis_size=N_WORKERS
         ).compression_ratio
         ok = abs(ratio / paper - 1) <= 0.02
         all_ok &= ok
@@ -407,9 +380,9 @@ def main() -> None:
         f"PyTorch {torch.__version__} powerSGD_hook maths ({torch.get_num_threads()} threads, timed first, "
         f"before any XLA computation); target ours/theirs <= 0.5"
     )
-    mesh1 = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    mesh1 = _common.data_mesh(1)
     for rank, (per_tensor, batched) in torch_times.items():
-        fn, fargs = build_step(powersgd(rank), params, mesh1)
+        fn, fargs = build_step(jd.powersgd(rank), params, mesh1)
         ours = time_call(fn, fargs, repeats)
         theirs = min(per_tensor, batched)  # the hook's faster setting
         verdict = "met" if ours / theirs <= 0.5 else "not met"

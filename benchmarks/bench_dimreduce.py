@@ -24,65 +24,20 @@ Run: ``python benchmarks/bench_dimreduce.py`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
-import argparse
-import os
+import _common  # first: sets XLA_FLAGS / JAX_PLATFORMS before jax loads
+import jax
+import numpy as np
+import optax
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+import jaxopt_dist as jd
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import jaxopt_dist as jd  # noqa: E402
-
-try:  # the public names once the lead exports them
-    dim_reduce, fit_subspace = jd.dim_reduce, jd.fit_subspace  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - before integration
-    from jaxopt_dist._src.dimreduce import dim_reduce, fit_subspace
-
-N_WORKERS = 8
-
-
-def load_data(seed: int = 0):
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    x, y = x[perm], y[perm].astype(np.int32)
-    return x[:1440], y[:1440], x[1440:], y[1440:]
-
-
-def init_params(seed: int = 0, hidden: int = 32):
-    rng = np.random.default_rng(seed)
-    return {
-        "b1": jnp.zeros(hidden, jnp.float32),
-        "b2": jnp.zeros(10, jnp.float32),
-        "w1": jnp.asarray(rng.standard_normal((64, hidden)) / 8.0, jnp.float32),
-        "w2": jnp.asarray(rng.standard_normal((hidden, 10)) / np.sqrt(hidden), jnp.float32),
-    }
-
-
-def logits_fn(params, x):
-    h = jnp.tanh(x @ params["w1"] + params["b1"][None, :])
-    return h @ params["w2"] + params["b2"][None, :]
-
-
-def loss_fn(params, batch):
-    logits = logits_fn(params, batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+N_WORKERS = _common.N_WORKERS
 
 
 @jax.jit
 def evaluate(params, x, y, x_test, y_test):
-    train_loss = loss_fn(params, {"x": x, "y": y})
-    acc = jnp.mean(jnp.argmax(logits_fn(params, x_test), axis=-1) == y_test)
-    return train_loss, acc
+    """Full training loss and test accuracy."""
+    return _common.mlp_loss(params, {"x": x, "y": y}), _common.mlp_accuracy(params, x_test, y_test)
 
 
 def unplaced(tree):
@@ -103,8 +58,7 @@ def batches(x, y, batch_size: int, steps: int, seed: int):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
+    ap = _common.parser(__doc__)
     ap.add_argument("--warmup", type=int, default=300, help="SGD warm-up steps")
     ap.add_argument("--steps", type=int, default=200, help="steps compared after the warm-up")
     ap.add_argument("--snapshot-every", type=int, default=10)
@@ -116,34 +70,34 @@ def main(argv=None):
     if args.quick:
         args.warmup, args.steps, args.snapshot_every, args.components = 40, 12, 4, 6
 
-    x, y, x_test, y_test = load_data(args.seed)
-    mesh = jax.make_mesh((N_WORKERS,), ("data",), devices=jax.devices()[:N_WORKERS])
+    x, y, x_test, y_test = _common.load_digits(args.seed)
+    mesh = _common.data_mesh(N_WORKERS)
     sgd = optax.chain(jd.all_reduce(), jd.sgd(args.lr, momentum=0.9))
     data = batches(x, y, args.batch_size, args.warmup + args.steps, args.seed + 1)
 
     # 1. Warm-up with SGD, taking snapshots.
-    step = jd.data_parallel_step(loss_fn, sgd, mesh=mesh)
-    params, opt_state = step.init(init_params(args.seed))
+    step = jd.data_parallel_step(_common.mlp_loss, sgd, mesh=mesh)
+    params, opt_state = step.init(_common.mlp_init(args.seed))
     snapshots = []
     for t in range(args.warmup):
         params, opt_state, _ = step(params, opt_state, data[t])
         if (t + 1) % args.snapshot_every == 0:
             snapshots.append(unplaced(params))
     start_params, start_sgd_state = unplaced(params), unplaced(opt_state)
-    basis = fit_subspace(snapshots, args.components)
+    basis = jd.fit_subspace(snapshots, args.components)
     n_params = basis.shape[1]
 
     # 2. N more steps of each method from the same point and batches.
     checkpoints = sorted({max(1, args.steps // 4), max(1, args.steps // 2), args.steps})
     methods = {
         "SGD (continued)": (sgd, start_sgd_state),
-        f"DimReduce k={args.components}, alpha=0.001": (dim_reduce(basis), None),
-        f"DimReduce k={args.components}, alpha={args.lr:g}": (dim_reduce(basis, alpha=args.lr), None),
+        f"DimReduce k={args.components}, alpha=0.001": (jd.dim_reduce(basis), None),
+        f"DimReduce k={args.components}, alpha={args.lr:g}": (jd.dim_reduce(basis, alpha=args.lr), None),
     }
     l0, a0 = evaluate(start_params, x, y, x_test, y_test)
     rows = []
     for name, (tx, state0) in methods.items():
-        run = jd.data_parallel_step(loss_fn, tx, mesh=mesh)
+        run = jd.data_parallel_step(_common.mlp_loss, tx, mesh=mesh)
         p, s = run.init(start_params)
         if state0 is not None:
             s = jax.device_put(state0, jax.tree.map(lambda a: a.sharding, s))
@@ -169,14 +123,12 @@ def main(argv=None):
         f"k={args.components}"
     )
     print(f"start (after warm-up): train loss {float(l0):.4f}, test acc {float(a0):.4f}")
-    head = "| method | " + " | ".join(f"loss @{c} | acc @{c}" for c in checkpoints)
-    head += " | accepted | forward passes |"
-    print(head)
-    print("|" + "---|" * (2 + 2 * len(checkpoints) + 1))
+    metrics = [f"{m} @{c}" for c in checkpoints for m in ("loss", "acc")]
+    print(_common.markdown_header(["method", *metrics, "accepted", "forward passes"]))
     for name, results, acc_frac, forwards in rows:
-        cells = " | ".join(f"{results[c][0]:.4f} | {results[c][1]:.4f}" for c in checkpoints)
+        cells = [f"{v:.4f}" for c in checkpoints for v in results[c]]
         frac = "-" if acc_frac is None else f"{acc_frac:.0%}"
-        print(f"| {name} | {cells} | {frac} | {forwards} |")
+        print(_common.markdown_row([name, *cells, frac, forwards]))
 
 
 if __name__ == "__main__":

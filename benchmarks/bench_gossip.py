@@ -26,74 +26,20 @@ Run: ``python benchmarks/bench_gossip.py`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
-import argparse
-import os
+import _common  # first: sets XLA_FLAGS / JAX_PLATFORMS before jax loads
+import jax
+import numpy as np
+import optax
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+import jaxopt_dist as jd
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import jaxopt_dist as jd  # noqa: E402
-
-try:  # the public names once the lead exports them
-    gossip = jd.gossip  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - before integration
-    from jaxopt_dist._src.gossip import gossip
-from jaxopt_dist._src.gossip import mixing_matrix, spectral_gap  # noqa: E402
-
-try:
-    communication_cost = jd.communication_cost  # type: ignore[attr-defined]
-except AttributeError:  # pragma: no cover - before integration
-    from jaxopt_dist._src.accounting import communication_cost
-
-N_WORKERS = 8
+N_WORKERS = _common.N_WORKERS
 TOPOLOGIES = {
     "ring": {"topology": "ring"},
     "torus 2x4": {"topology": "torus", "shape": (2, 4)},
     "exponential": {"topology": "exponential"},
     "complete": {"topology": "complete"},
 }
-
-
-def load_data(seed: int = 0):
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    x, y = x[perm], y[perm].astype(np.int32)
-    return x[:1440], y[:1440], x[1440:], y[1440:]
-
-
-def init_params(seed: int = 0, hidden: int = 32):
-    rng = np.random.default_rng(seed)
-    return {
-        "b1": jnp.zeros(hidden, jnp.float32),
-        "b2": jnp.zeros(10, jnp.float32),
-        "w1": jnp.asarray(rng.standard_normal((64, hidden)) / 8.0, jnp.float32),
-        "w2": jnp.asarray(rng.standard_normal((hidden, 10)) / np.sqrt(hidden), jnp.float32),
-    }
-
-
-def logits_fn(params, x):
-    h = jnp.tanh(x @ params["w1"] + params["b1"][None, :])
-    return h @ params["w2"] + params["b2"][None, :]
-
-
-def loss_fn(params, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(logits_fn(params, batch["x"]), batch["y"]).mean()
-
-
-@jax.jit
-def accuracy(params, x, y):
-    return jnp.mean(jnp.argmax(logits_fn(params, x), axis=-1) == y)
 
 
 def batch_sampler(y, per_worker, non_iid, seed=1):
@@ -109,9 +55,9 @@ def batch_sampler(y, per_worker, non_iid, seed=1):
 
 def train(tx, data, *, per_worker_params, steps, log_at, per_worker, non_iid):
     x, y, x_test, y_test = data
-    mesh = jax.make_mesh((N_WORKERS,), ("data",), devices=jax.devices()[:N_WORKERS])
-    step = jd.data_parallel_step(loss_fn, tx, mesh=mesh, per_worker_params=per_worker_params)
-    params, state = step.init(init_params())
+    mesh = _common.data_mesh(N_WORKERS)
+    step = jd.data_parallel_step(_common.mlp_loss, tx, mesh=mesh, per_worker_params=per_worker_params)
+    params, state = step.init(_common.mlp_init())
     sampler = batch_sampler(y, per_worker, non_iid)
     distances = {}
     for t in range(1, steps + 1):
@@ -122,26 +68,27 @@ def train(tx, data, *, per_worker_params, steps, log_at, per_worker, non_iid):
     if per_worker_params:
         stacked = jax.device_get(params)
         workers = [
-            float(accuracy(jax.tree.map(lambda a, i=i: a[i], stacked), x_test, y_test))
+            float(_common.mlp_accuracy(jax.tree.map(lambda a, i=i: a[i], stacked), x_test, y_test))
             for i in range(N_WORKERS)
         ]
-        averaged = float(accuracy(jax.tree.map(lambda a: a.mean(axis=0), stacked), x_test, y_test))
+        averaged = float(
+            _common.mlp_accuracy(jax.tree.map(lambda a: a.mean(axis=0), stacked), x_test, y_test)
+        )
         return distances, float(np.mean(workers)), averaged
-    acc = float(accuracy(params, x_test, y_test))
+    acc = float(_common.mlp_accuracy(params, x_test, y_test))
     return distances, acc, acc
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
+    parser = _common.parser(__doc__)
     parser.add_argument("--non-iid", action="store_true", help="each worker sees 3 of the 10 classes")
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
     steps = args.steps or (30 if args.quick else 600)
     log_at = sorted({s for s in (1, 10, 30, 100, 300, steps) if s <= steps})
     lr, momentum, per_worker = 0.1, 0.9, 16
-    data = load_data()
-    params = init_params()
+    data = _common.load_digits()
+    params = _common.mlp_init()
     header = (
         f"{'method':<14}{'gap':>7}{'sent/step':>11}"
         + "".join(f"{'cd@' + str(s):>10}" for s in log_at)
@@ -156,16 +103,16 @@ def main() -> None:
     print("-" * len(header))
     runs = {"all-reduce": (optax.chain(jd.all_reduce(), jd.sgd(lr, momentum)), False, None)}
     for name, kwargs in TOPOLOGIES.items():
-        tx = optax.chain(jd.sgd(lr, momentum), gossip(**kwargs, track_consensus=True))
+        tx = optax.chain(jd.sgd(lr, momentum), jd.gossip(**kwargs, track_consensus=True))
         runs[name] = (tx, True, kwargs)
     for name, (tx, per_worker_params, kwargs) in runs.items():
         if kwargs is None:
             gap, cost_tx = "-", jd.all_reduce()
         else:
-            w = mixing_matrix(kwargs["topology"], N_WORKERS, shape=kwargs.get("shape"))
-            gap = f"{spectral_gap(w):.3f}"
-            cost_tx = gossip(**kwargs)
-        sent = communication_cost(cost_tx, params, axis_size=N_WORKERS).sent_bytes
+            w = jd.mixing_matrix(kwargs["topology"], N_WORKERS, shape=kwargs.get("shape"))
+            gap = f"{jd.spectral_gap(w):.3f}"
+            cost_tx = jd.gossip(**kwargs)
+        sent = jd.communication_cost(cost_tx, params, axis_size=N_WORKERS).sent_bytes
         distances, acc_workers, acc_avg = train(
             tx,
             data,

@@ -19,21 +19,16 @@ Run: ``python benchmarks/bench_overhead.py`` (``--quick`` for a smoke run).
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+import _common  # first: sets XLA_FLAGS / JAX_PLATFORMS before jax loads
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import jaxopt_dist as jd  # noqa: E402
+import jaxopt_dist as jd
 
 P = jax.sharding.PartitionSpec
 
@@ -111,14 +106,13 @@ def time_pair(pair, mesh, params, batch, rounds, steps_per_round):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
+    ap = _common.parser(__doc__, quick_help="tiny model, few steps (smoke test)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--steps-per-round", type=int, default=4)
     args = ap.parse_args(argv)
 
     n = jax.device_count()
-    mesh = jax.make_mesh((n,), ("data",))
+    mesh = _common.data_mesh(n)
     sizes = [64, 128, 10] if args.quick else [1024, 2048, 1536, 10]
     rounds, spr = (3, 2) if args.quick else (args.rounds, args.steps_per_round)
     params = mlp_params(sizes)
@@ -141,16 +135,21 @@ def main(argv=None):
             optax.chain(hand_pmean(), optax.adam(1e-3)),
         ),
     }
-    print(f"MLP {sizes}: {n_params / 1e6:.2f}M parameters, {n} devices ({jax.devices()[0].platform}), "
-          f"global batch {batch_size}, {rounds} rounds x {spr} steps, medians")
-    print(f"| optimizer | jaxopt_dist ms/step | optax + pmean ms/step | ratio |")
-    print(f"|---|---:|---:|---:|")
+    print(
+        f"MLP {sizes}: {n_params / 1e6:.2f}M parameters, {n} devices ({jax.devices()[0].platform}), "
+        f"global batch {batch_size}, {rounds} rounds x {spr} steps, medians"
+    )
+    print(
+        _common.markdown_header(
+            ["optimizer", "jaxopt_dist ms/step", "optax + pmean ms/step", "ratio"], "lrrr"
+        )
+    )
     worst = 0.0
     for name, pair in pairs.items():
         ours, theirs = time_pair(pair, mesh, params, batch, rounds, spr)
         a, b = np.median(ours) * 1e3, np.median(theirs) * 1e3
         worst = max(worst, a / b)
-        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.3f} |")
+        print(_common.markdown_row([name, f"{a:.2f}", f"{b:.2f}", f"{a / b:.3f}"]))
     print(f"worst ratio {worst:.3f} (target <= 1.02): {'PASS' if worst <= 1.02 else 'FAIL'}")
     return 0
 

@@ -306,6 +306,69 @@ def _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_para
     return updates, p, full_state
 
 
+def scan_steps(tx, grads_seq, params, *, backend, axis_name="data", mask=None):
+    """``T`` steps of ``tx`` (updates applied) inside one jit, via ``lax.scan``.
+
+    ``grads_seq`` leaves are ``(T, n, ...)``. Returns ``(updates (T, ...),
+    final params, final state stacked (n, ...))``. The updates and params are
+    checked bit-identical on every worker (vmap) or proven replicated by
+    ``out_specs=P()`` (shard_map), as in ``helpers.run_steps``, but with one
+    compilation instead of one per step. ``mask`` (per-worker state leaves)
+    defaults to ``jd.opt_state_placement``'s.
+    """
+    n = int(jax.tree.leaves(grads_seq)[0].shape[1])
+
+    def steps(gs, s, p):
+        def body(carry, g):
+            s, p = carry
+            u, s = tx.update(g, s, p)
+            return (s, optax.apply_updates(p, u)), u
+
+        (s, p), us = jax.lax.scan(body, (s, p), gs)
+        return us, p, s
+
+    if backend == "vmap":
+        p = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), params)
+        s = jax.vmap(tx.init)(p)
+        us, p, s = jax.jit(jax.vmap(steps, in_axes=(1, 0, 0), axis_name=axis_name))(grads_seq, s, p)
+        assert_replicas_equal(us)
+        assert_replicas_equal(p)
+        return jax.tree.map(lambda x: x[0], us), jax.tree.map(lambda x: x[0], p), s
+    mesh = make_mesh(n, axis_name)
+    if mask is None:
+        mask = jd.opt_state_placement(tx, params, mesh=mesh, axis_name=axis_name).per_worker
+    spec = P(axis_name)
+    state = jax.tree.map(
+        lambda x, m: jax.device_put(
+            jnp.broadcast_to(x, (n, *x.shape)) if m else x,
+            jax.sharding.NamedSharding(mesh, spec if m else P()),
+        ),
+        tx.init(params),
+        mask,
+    )
+    p = jd.place_params(params, mesh=mesh, axis_name=axis_name)
+    s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
+
+    def body(gs, s, p):
+        gs = jax.tree.map(lambda x: x[:, 0], gs)
+        s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
+        us, p, s = steps(gs, s, p)
+        return us, p, jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
+
+    g_spec = jax.tree.map(lambda _: P(None, axis_name), grads_seq)
+    gs = jax.device_put(grads_seq, jax.tree.map(lambda sp_: jax.sharding.NamedSharding(mesh, sp_), g_spec))
+    mapped = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(g_spec, s_spec, jax.tree.map(lambda _: P(), params)),
+        out_specs=(jax.tree.map(lambda _: P(), params), jax.tree.map(lambda _: P(), params), s_spec),
+        check_vma=True,
+    )
+    us, p, state = jax.jit(mapped)(gs, state, p)
+    state = jax.tree.map(lambda x, m: x if m else jnp.broadcast_to(x, (n, *x.shape)), state, mask)
+    return us, p, state
+
+
 # ----------------------------------------------------------------------------
 # Compiled HLO.
 

@@ -21,62 +21,6 @@ NAMES = sorted(SHAPES)
 WORKERS = (1, 2, 3, 8)
 
 
-def scan_steps(tx, grads_seq, params, *, backend, axis_name="data"):
-    """``T`` steps of ``tx`` in one jit (``lax.scan``); see tests/test_sparsify.py.
-
-    Returns ``(updates (T, ...), final params, final state stacked (n, ...))``;
-    updates and params are checked bit-identical across workers (vmap) or
-    proven replicated by ``out_specs=P()`` (shard_map).
-    """
-    n = int(jax.tree.leaves(grads_seq)[0].shape[1])
-
-    def steps(gs, s, p):
-        def body(carry, g):
-            s, p = carry
-            u, s = tx.update(g, s, p)
-            return (s, optax.apply_updates(p, u)), u
-
-        (s, p), us = jax.lax.scan(body, (s, p), gs)
-        return us, p, s
-
-    if backend == "vmap":
-        p = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), params)
-        s = jax.vmap(tx.init)(p)
-        us, p, s = jax.jit(jax.vmap(steps, in_axes=(1, 0, 0), axis_name=axis_name))(grads_seq, s, p)
-        helpers.assert_replicas_equal(us)
-        helpers.assert_replicas_equal(p)
-        return jax.tree.map(lambda x: x[0], us), jax.tree.map(lambda x: x[0], p), s
-    mesh = helpers.make_mesh(n, axis_name)
-    mask = jd.opt_state_placement(tx, params, mesh=mesh, axis_name=axis_name).per_worker
-    spec = P(axis_name)
-    state = jax.tree.map(
-        lambda x, m: jax.device_put(
-            jnp.broadcast_to(x, (n, *x.shape)) if m else x,
-            jax.sharding.NamedSharding(mesh, spec if m else P()),
-        ),
-        tx.init(params),
-        mask,
-    )
-    p = jd.place_params(params, mesh=mesh, axis_name=axis_name)
-    s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
-
-    def body(gs, s, p):
-        gs = jax.tree.map(lambda x: x[:, 0], gs)
-        s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
-        us, p, s = steps(gs, s, p)
-        return us, p, jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
-
-    g_spec = jax.tree.map(lambda _: P(None, axis_name), grads_seq)
-    gs = jax.device_put(grads_seq, jax.tree.map(lambda s_: jax.sharding.NamedSharding(mesh, s_), g_spec))
-    rep = jax.tree.map(lambda _: P(), params)
-    mapped = jax.shard_map(
-        body, mesh=mesh, in_specs=(g_spec, s_spec, rep), out_specs=(rep, rep, s_spec), check_vma=True
-    )
-    us, p, state = jax.jit(mapped)(gs, state, p)
-    state = jax.tree.map(lambda x, m: x if m else jnp.broadcast_to(x, (n, *x.shape)), state, mask)
-    return us, p, state
-
-
 def make_grads(seed, T, n, shapes=SHAPES, zeros=False):
     rng = np.random.default_rng(seed)
     out = {}
@@ -232,7 +176,9 @@ def test_matches_numpy_reference_30_steps(case, n, backend):
     make_tx, reference = CASES[case]
     T, lr = 30, 0.5
     grads = make_grads(10 * sorted(CASES).index(case) + n, T, n, zeros=True)
-    us, _, state = scan_steps(optax.chain(make_tx(), jd.sgd(lr)), grads, zero_params(), backend=backend)
+    us, _, state = helpers.scan_steps(
+        optax.chain(make_tx(), jd.sgd(lr)), grads, zero_params(), backend=backend
+    )
     ref, res = reference(grads)
     for t in range(T):
         expected = {k: -lr * v for k, v in ref[t].items()}
@@ -414,7 +360,7 @@ def test_qsgd_one_worker_both_modes_agree():
     """With one worker the shared scale is the worker's own norm: the modes are the same algorithm."""
     grads = make_grads(9, 4, 1, zeros=True)
     outs = [
-        scan_steps(jd.qsgd(5, bucket_size=4, aggregate=a), grads, zero_params(), backend="vmap")[0]
+        helpers.scan_steps(jd.qsgd(5, bucket_size=4, aggregate=a), grads, zero_params(), backend="vmap")[0]
         for a in ("all_reduce", "all_gather")
     ]
     helpers.assert_trees_close(outs[0], outs[1], rtol=1e-6, atol=0)
@@ -549,7 +495,9 @@ def test_bf16_updates_come_back_bf16():
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_chain_before_adam_30_steps_replicas_identical(name, backend):
     grads = make_grads(31, 30, 3)
-    us, p, _ = scan_steps(optax.chain(ALL[name](), jd.adam(1e-2)), grads, zero_params(), backend=backend)
+    us, p, _ = helpers.scan_steps(
+        optax.chain(ALL[name](), jd.adam(1e-2)), grads, zero_params(), backend=backend
+    )
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(p))
     assert float(np.abs(np.asarray(us["w"])).sum()) > 0
 
@@ -561,7 +509,7 @@ def test_inside_multisteps():
     tx = optax.MultiSteps(jd.sign_majority_vote(), every_k_schedule=2)
     # vmap: jd.opt_state_placement cannot type MultiSteps' per-worker accumulator
     # yet (see test_sparsify.test_inside_multisteps for shard_map with a given placement).
-    us, _, _ = scan_steps(tx, grads, zero_params(), backend="vmap")
+    us, _, _ = helpers.scan_steps(tx, grads, zero_params(), backend="vmap")
     acc = {k: (grads[k][0::2] + grads[k][1::2]) / 2 for k in grads}
     ref = np_majority_vote(acc)
     for j in range(T // 2):

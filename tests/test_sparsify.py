@@ -24,69 +24,6 @@ WORKERS = (1, 2, 3, 8)
 # Running T steps in one compiled program.
 
 
-def scan_steps(tx, grads_seq, params, *, backend, axis_name="data", mask=None):
-    """``T`` steps of ``tx`` (updates applied) inside one jit, via ``lax.scan``.
-
-    ``grads_seq`` leaves are ``(T, n, ...)``. Returns ``(updates (T, ...),
-    final params, final state stacked (n, ...))``. The updates and params are
-    checked bit-identical on every worker (vmap) or proven replicated by
-    ``out_specs=P()`` (shard_map), as in ``helpers.run_steps``, but with one
-    compilation instead of one per step. ``mask`` (per-worker state leaves)
-    defaults to ``jd.opt_state_placement``'s.
-    """
-    n = int(jax.tree.leaves(grads_seq)[0].shape[1])
-
-    def steps(gs, s, p):
-        def body(carry, g):
-            s, p = carry
-            u, s = tx.update(g, s, p)
-            return (s, optax.apply_updates(p, u)), u
-
-        (s, p), us = jax.lax.scan(body, (s, p), gs)
-        return us, p, s
-
-    if backend == "vmap":
-        p = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), params)
-        s = jax.vmap(tx.init)(p)
-        us, p, s = jax.jit(jax.vmap(steps, in_axes=(1, 0, 0), axis_name=axis_name))(grads_seq, s, p)
-        helpers.assert_replicas_equal(us)
-        helpers.assert_replicas_equal(p)
-        return jax.tree.map(lambda x: x[0], us), jax.tree.map(lambda x: x[0], p), s
-    mesh = helpers.make_mesh(n, axis_name)
-    if mask is None:
-        mask = jd.opt_state_placement(tx, params, mesh=mesh, axis_name=axis_name).per_worker
-    spec = P(axis_name)
-    state = jax.tree.map(
-        lambda x, m: jax.device_put(
-            jnp.broadcast_to(x, (n, *x.shape)) if m else x,
-            jax.sharding.NamedSharding(mesh, spec if m else P()),
-        ),
-        tx.init(params),
-        mask,
-    )
-    p = jd.place_params(params, mesh=mesh, axis_name=axis_name)
-    s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
-
-    def body(gs, s, p):
-        gs = jax.tree.map(lambda x: x[:, 0], gs)
-        s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
-        us, p, s = steps(gs, s, p)
-        return us, p, jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
-
-    g_spec = jax.tree.map(lambda _: P(None, axis_name), grads_seq)
-    gs = jax.device_put(grads_seq, jax.tree.map(lambda sp_: jax.sharding.NamedSharding(mesh, sp_), g_spec))
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(g_spec, s_spec, jax.tree.map(lambda _: P(), params)),
-        out_specs=(jax.tree.map(lambda _: P(), params), jax.tree.map(lambda _: P(), params), s_spec),
-        check_vma=True,
-    )
-    us, p, state = jax.jit(mapped)(gs, state, p)
-    state = jax.tree.map(lambda x, m: x if m else jnp.broadcast_to(x, (n, *x.shape)), state, mask)
-    return us, p, state
-
-
 def make_grads(seed, T, n, shapes=SHAPES, zeros=False):
     rng = np.random.default_rng(seed)
     out = {}
@@ -232,7 +169,7 @@ def test_matches_numpy_reference_30_steps(case, n, backend):
     T, lr = 30, 0.5
     grads = make_grads(10 * sorted(CASES).index(case) + n, T, n, zeros=True)
     tx = optax.chain(make_tx(), jd.sgd(lr))
-    us, _, state = scan_steps(tx, grads, zero_params(), backend=backend)
+    us, _, state = helpers.scan_steps(tx, grads, zero_params(), backend=backend)
     ref, res = np_sparse_run(grads, make_select(), ef=ef)
     for t in range(T):
         expected = {k: -lr * v for k, v in ref[t].items()}
@@ -247,7 +184,7 @@ def test_top_k_flattened_matches_reference(n, backend):
     T = 10
     grads = make_grads(7 + n, T, n)
     tx = jd.top_k(6, per_leaf=False)
-    us, _, state = scan_steps(tx, grads, zero_params(), backend=backend)
+    us, _, state = helpers.scan_steps(tx, grads, zero_params(), backend=backend)
     # NumPy: the tree as one vector in jax.tree.leaves order (b, s, w).
     names = sorted(SHAPES)
     sizes = [math.prod(SHAPES[k]) for k in names]
@@ -267,7 +204,7 @@ def test_top_k_sum_is_bitwise_worker_ordered():
     """The scatter-add adds worker rows in order: bit-identical to a float32 NumPy loop."""
     n, T = 8, 5
     grads = make_grads(11, T, n, shapes={"w": (64,)})
-    us, _, _ = scan_steps(jd.top_k(9), grads, {"w": jnp.zeros(64)}, backend="vmap")
+    us, _, _ = helpers.scan_steps(jd.top_k(9), grads, {"w": jnp.zeros(64)}, backend="vmap")
     ref, _ = np_sparse_run(grads, top_k_select(k=9))
     np.testing.assert_array_equal(np.asarray(us["w"]), np.stack([r["w"] for r in ref]))
 
@@ -312,8 +249,8 @@ def test_sparse_path_with_all_nonzeros_sent_equals_mean(backend):
 
 def test_threshold_zero_equals_top_k_bitwise():
     grads = make_grads(4, 6, 3, zeros=True)
-    a, _, sa = scan_steps(jd.threshold(0.0, capacity=3), grads, zero_params(), backend="vmap")
-    b, _, sb = scan_steps(jd.top_k(3), grads, zero_params(), backend="vmap")
+    a, _, sa = helpers.scan_steps(jd.threshold(0.0, capacity=3), grads, zero_params(), backend="vmap")
+    b, _, sb = helpers.scan_steps(jd.top_k(3), grads, zero_params(), backend="vmap")
     helpers.assert_trees_equal(a, b)
     helpers.assert_trees_equal(sa.residual, sb.residual)
 
@@ -342,7 +279,9 @@ def test_random_k_indices_shared_and_fresh_each_step():
     """The same positions on every worker, different positions from step to step."""
     n, T, d, k = 4, 6, 50, 5
     g = np.ones((T, n, d), np.float32)  # every entry nonzero
-    us, _, _ = scan_steps(jd.random_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap")
+    us, _, _ = helpers.scan_steps(
+        jd.random_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap"
+    )
     supports = [frozenset(np.flatnonzero(np.asarray(us["v"][t]))) for t in range(T)]
     assert all(len(s) == k for s in supports)
     assert len(set(supports)) > 1
@@ -351,7 +290,9 @@ def test_random_k_indices_shared_and_fresh_each_step():
 def test_block_k_is_a_contiguous_wrapping_block():
     n, T, d, k = 2, 20, 12, 5
     g = np.ones((T, n, d), np.float32)
-    us, _, _ = scan_steps(jd.block_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap")
+    us, _, _ = helpers.scan_steps(
+        jd.block_k(k, error_feedback=False), {"v": g}, {"v": jnp.zeros(d)}, backend="vmap"
+    )
     starts = set()
     for t in range(T):
         support = np.flatnonzero(np.asarray(us["v"][t]))
@@ -516,7 +457,7 @@ def test_contract(name):
 def test_chain_before_adam_30_steps_replicas_identical(name, backend):
     grads = make_grads(21, 30, 3)
     tx = optax.chain(ALL[name](), jd.adam(1e-2))
-    us, p, _ = scan_steps(tx, grads, zero_params(), backend=backend)
+    us, p, _ = helpers.scan_steps(tx, grads, zero_params(), backend=backend)
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(p))
     assert float(np.abs(np.asarray(us["w"])).sum()) > 0
 
@@ -540,7 +481,7 @@ def test_inside_multisteps(backend):
         acc_grads=jax.tree.map(lambda _: True, state.acc_grads),
         skip_state=jax.tree.map(lambda _: False, state.skip_state),
     )
-    us, _, _ = scan_steps(tx, grads, zero_params(), backend=backend, mask=mask)
+    us, _, _ = helpers.scan_steps(tx, grads, zero_params(), backend=backend, mask=mask)
     acc = {k: (grads[k][0::2] + grads[k][1::2]) / 2 for k in grads}
     ref, _ = np_sparse_run(acc, top_k_select(k=3))
     for j in range(T // 2):
@@ -563,7 +504,7 @@ def test_inject_hyperparams_threshold():
 def test_scheduled_threshold_follows_the_step_count():
     sched = optax.piecewise_constant_schedule(10.0, {2: 0.0})  # 10 for steps 0-1, 0 after
     g = np.ones((4, 1, 6), np.float32)
-    us, _, _ = scan_steps(
+    us, _, _ = helpers.scan_steps(
         jd.threshold(sched, capacity=6, error_feedback=False), {"v": g}, {"v": jnp.zeros(6)}, backend="vmap"
     )
     np.testing.assert_array_equal(np.asarray(us["v"][:, 0]), [0.0, 0.0, 1.0, 1.0])
