@@ -114,9 +114,8 @@ class _Layout:
         """``A(a, b)`` leaf by leaf, given the full per-leaf dot products."""
         dot, na, nb = dots[0], dots[1], dots[2]
         ca, cb = _coefficient(dot, na), _coefficient(dot, nb)
-        cols = np.asarray(self.cols)
-        ca = jnp.repeat(ca, cols, total_repeat_length=self.width)[None, :]
-        cb = jnp.repeat(cb, cols, total_repeat_length=self.width)[None, :]
+        ca = base.repeat_segments(ca, self.cols)[None, :]
+        cb = base.repeat_segments(cb, self.cols)[None, :]
         out = ca * a.astype(self.compute_dtype) + cb * b.astype(self.compute_dtype)
         return out.astype(self.dtype)
 

@@ -129,4 +129,16 @@ def scalar_like(value: Any, x: jax.Array) -> jax.Array:
     return jnp.asarray(value, dtype=x.dtype)
 
 
+def repeat_segments(values: jax.Array, sizes: Any) -> jax.Array:
+    """``values[i]`` repeated ``sizes[i]`` times (static ints), concatenated.
+
+    The same as ``jnp.repeat(values, sizes, total_repeat_length=sum(sizes))``,
+    but built from broadcasts: ``jnp.repeat`` with per-entry counts creates
+    index constants as long as the output, which XLA then constant-folds for
+    minutes on models with millions of parameters.
+    """
+    sizes = [int(s) for s in sizes]
+    return jnp.concatenate([jnp.broadcast_to(values[i], (s,)) for i, s in enumerate(sizes)])
+
+
 Schedule = Callable[[jax.Array], jax.Array]

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxopt_dist._src import base, comm
@@ -165,9 +164,7 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
         g_packed, g_scales = comm.all_gather_packed([packed, scales], axis_name, caller="scaled_sign")
 
         def decode(bits, scale):
-            return _unpack_signs(bits, total, jnp.float32) * jnp.repeat(
-                scale, np.asarray(sizes), total_repeat_length=total
-            )
+            return _unpack_signs(bits, total, jnp.float32) * base.repeat_segments(scale, sizes)
 
         summed = _ordered_sum(n, lambda w: decode(g_packed[w], g_scales[w]), jnp.zeros((total,), jnp.float32))
         mean = summed / jnp.float32(n)
