@@ -257,6 +257,8 @@ def average_params(
             branches = [local_only] + [averaged(g) for g in groups]
             index = jnp.where(sync, which + 1, 0).astype(jnp.int32)
         out = jax.lax.switch(index, branches, u_leaves, p_leaves)
-        return jax.tree.unflatten(treedef, out), AverageParamsState(count=optax.safe_increment(count))
+        return jax.tree.unflatten(treedef, out), AverageParamsState(
+            count=jnp.asarray(optax.safe_increment(count))
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

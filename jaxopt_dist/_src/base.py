@@ -115,7 +115,7 @@ def is_constant(value: Any, constant: float) -> bool:
     return is_python_number(value) and float(value) == constant
 
 
-def resolve(value: optax.ScalarOrSchedule, count: jax.Array | None) -> jax.Array | float:
+def resolve(value: optax.ScalarOrSchedule, count: jax.Array | None) -> Any:
     """Evaluates a float-or-schedule hyperparameter at the step ``count``."""
     if callable(value):
         if count is None:

@@ -124,7 +124,7 @@ def to_varying(tree: Any, axis_name: AxisName) -> Any:
         missing = tuple(n for n in names if n not in axes)
         if not missing:
             return x
-        return jax.lax.pcast(x, missing if len(missing) > 1 else missing[0], to="varying")
+        return jax.lax.pcast(x, missing[0] if len(missing) == 1 else missing, to="varying")
 
     return jax.tree.map(cast, tree)
 

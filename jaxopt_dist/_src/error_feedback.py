@@ -123,7 +123,7 @@ def error_feedback(
             residual = ()
         output = jax.tree.map(lambda o, g: o.astype(g.dtype), output, updates)
         return output, ErrorFeedbackState(
-            count=optax.safe_increment(state.count), residual=residual, inner_state=inner_state
+            count=jnp.asarray(optax.safe_increment(state.count)), residual=residual, inner_state=inner_state
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -108,7 +108,7 @@ def scale_by_momentum(
         else:
             out = new_buf
         return _cast_tree_like(out, updates), ScaleByMomentumState(
-            count=optax.safe_increment(state.count),
+            count=jnp.asarray(optax.safe_increment(state.count)),
             momentum=_cast_tree_like(new_buf, state.momentum),
         )
 
@@ -280,7 +280,7 @@ def _scale_by_rms(decay: optax.ScalarOrSchedule, eps: optax.ScalarOrSchedule) ->
         out = jax.tree.map(lambda _, p: p[0], updates, pairs)
         nu = jax.tree.map(lambda _, p: p[1], updates, pairs)
         return _cast_tree_like(out, updates), ScaleByRmsState(
-            optax.safe_increment(state.count), _cast_tree_like(nu, state.nu)
+            jnp.asarray(optax.safe_increment(state.count)), _cast_tree_like(nu, state.nu)
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -355,7 +355,7 @@ def _scale_by_adagrad(
         out = jax.tree.map(lambda _, p: p[0], updates, pairs)
         h = jax.tree.map(lambda _, p: p[1], updates, pairs)
         return _cast_tree_like(out, updates), ScaleByAdagradState(
-            optax.safe_increment(state.count), _cast_tree_like(h, state.sum_of_squares)
+            jnp.asarray(optax.safe_increment(state.count)), _cast_tree_like(h, state.sum_of_squares)
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -453,7 +453,7 @@ def _scale_by_adam(
         beta1 = base.resolve(b1, state.count)
         beta2 = base.resolve(b2, state.count)
         e = base.resolve(eps, state.count)
-        t = optax.safe_increment(state.count)
+        t = jnp.asarray(optax.safe_increment(state.count))
         if track1:
             p1 = state.b1_prod * jnp.asarray(beta1, jnp.float32)
             bc1 = 1 - p1

@@ -44,7 +44,7 @@ def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> int:
 
 def _spec(axis_name: base.AxisName) -> P:
     names = _names(axis_name)
-    return P(names if len(names) > 1 else names[0])
+    return P(names[0] if len(names) == 1 else names)
 
 
 def _abstract(tree: Any) -> Any:
@@ -340,7 +340,7 @@ class DataParallelStep:
     """
 
     loss_fn: Callable[..., Any]
-    tx: optax.GradientTransformation
+    tx: Any  # an optax transformation, or anything with init/update (optax.MultiSteps)
     mesh: jax.sharding.Mesh
     axis_name: base.AxisName
     per_worker_params: bool
