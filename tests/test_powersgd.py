@@ -358,7 +358,9 @@ def test_orthogonalize_is_orthonormal_for_ill_conditioned_inputs(rank):
     gram = np.swapaxes(q, 1, 2) @ q
     np.testing.assert_allclose(gram, np.broadcast_to(np.eye(rank), gram.shape), atol=2e-5)
     # The same span as the input, the first column along the input's; zero columns stay zero (no NaN).
-    np.testing.assert_allclose(u @ (np.swapaxes(u, 1, 2) @ q), q, atol=1e-4)
+    # float32 Gram-Schmidt on a condition number of 1e4 leaves about eps * 1e4 ~ 6e-4 outside the span
+    # in the weakest direction (the exact figure depends on XLA's fusion, hence the margin).
+    np.testing.assert_allclose(u @ (np.swapaxes(u, 1, 2) @ q), q, atol=1e-3)
     first = x[:, :, 0] / np.linalg.norm(x[:, :, 0], axis=1, keepdims=True)
     np.testing.assert_allclose(q[:, :, 0], first, atol=1e-5)
     z = np.asarray(orthogonalize(jnp.zeros((1, 5, 2))))

@@ -15,7 +15,6 @@ The same code runs under ``jax.shard_map``, ``jax.pmap`` and
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -226,16 +225,6 @@ def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Arr
 # Gathers and permutations.
 
 
-def _all_gather_accepts_to() -> bool:
-    try:
-        return "to" in inspect.signature(jax.lax.all_gather).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        return False
-
-
-_ALL_GATHER_HAS_TO = _all_gather_accepts_to()
-
-
 def all_gather(
     tree: Any, axis_name: AxisName, *, axis: int = 0, tiled: bool = False, caller: str | None = None
 ) -> Any:
@@ -246,7 +235,7 @@ def all_gather(
     """
     axis_size(axis_name, caller=caller)
     manual = _manual_axes()
-    invariant = _ALL_GATHER_HAS_TO and any(n in manual for n in _names(axis_name))
+    invariant = any(n in manual for n in _names(axis_name))
     if invariant:
         return jax.tree.map(
             lambda x: jax.lax.all_gather(
