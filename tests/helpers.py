@@ -300,6 +300,8 @@ def _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_para
         if key not in cache:
             cache[key] = jax.jit(mapped)
         u, state, p = cache[key](g, state, p)
+        # XLA:CPU can deadlock with dozens of collective programs queued: wait for each step.
+        jax.block_until_ready(u)
         all_updates.append(u)
     updates = jax.tree.map(lambda *xs: jnp.stack(xs), *all_updates)
     full_state = jax.tree.map(lambda x, m: x if m else jnp.broadcast_to(x, (n, *x.shape)), state, mask)

@@ -12,6 +12,7 @@ along a new leading axis of size ``n`` and placed ``P(axis_name)``, so worker
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable
@@ -25,6 +26,8 @@ import optax
 from jaxopt_dist._src import base, comm
 
 P = jax.sharding.PartitionSpec
+
+_CPU_STEPS_IN_FLIGHT = 4
 
 
 def _names(axis_name: base.AxisName) -> tuple[Any, ...]:
@@ -347,6 +350,7 @@ class DataParallelStep:
     has_aux: bool
     donate: bool
     loss_scale: Callable[[Any], Any] | None = None
+    max_steps_in_flight: int | None = None
     _compiled: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -463,9 +467,26 @@ class DataParallelStep:
             # place, a transfer for host batches, a reshard otherwise. (jit's own
             # in_shardings would not retype arrays for meshes with Explicit axes.)
             params, opt_state, batch = jax.device_put((params, opt_state, batch), in_shardings)
-            return jitted(params, opt_state, batch)
+            out = jitted(params, opt_state, batch)
+            if limit is not None:
+                in_flight.append(out[2]["loss"])
+                if len(in_flight) > limit:
+                    in_flight.popleft().block_until_ready()
+            return out
 
+        limit = self._in_flight_limit()
+        in_flight: collections.deque[Any] = collections.deque()
         return run
+
+    def _in_flight_limit(self) -> int | None:
+        if self.max_steps_in_flight is not None:
+            return self.max_steps_in_flight
+        # XLA:CPU can deadlock (a collective's rendezvous times out and aborts the
+        # process) when a few dozen steps with collectives are queued on simulated
+        # devices; bound the queue there. Accelerators keep unbounded async dispatch.
+        if all(d.platform == "cpu" for d in self.mesh.devices.flat):
+            return _CPU_STEPS_IN_FLIGHT
+        return None
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         key = (
@@ -496,6 +517,7 @@ def data_parallel_step(
     has_aux: bool = False,
     donate: bool = False,
     loss_scale: Callable[[Any], Any] | None = None,
+    max_steps_in_flight: int | None = None,
 ) -> DataParallelStep:
     r"""Builds a jitted data-parallel training step over ``mesh``.
 
@@ -525,6 +547,10 @@ def data_parallel_step(
         The loss is multiplied by the scale (in float32) before
         differentiation; ``dynamic_loss_scale`` unscales the gradients and the
         line-search extra args. ``metrics["loss"]`` stays unscaled.
+      max_steps_in_flight: how many dispatched steps may run ahead of the
+        host before a call waits for the oldest. None: unbounded on
+        accelerators, 4 on CPU meshes, where XLA:CPU's in-process collectives
+        can deadlock when a few dozen steps with collectives are queued.
 
     Returns:
       A :class:`DataParallelStep`: ``step(params, opt_state, batch) ->
@@ -551,6 +577,8 @@ def data_parallel_step(
             f"`tx` must be an optax.GradientTransformation (or have init/update, like optax.MultiSteps); "
             f"got {type(tx).__name__}."
         )
+    if max_steps_in_flight is not None:
+        max_steps_in_flight = base.check_positive_int(max_steps_in_flight, "max_steps_in_flight")
     if loss_scale is not None and not callable(loss_scale):
         raise TypeError(
             f"`loss_scale` must be a function of the optimizer state (e.g. jaxopt_dist.loss_scale); got {loss_scale!r}."
@@ -569,4 +597,5 @@ def data_parallel_step(
         has_aux=bool(has_aux),
         donate=bool(donate),
         loss_scale=loss_scale,
+        max_steps_in_flight=max_steps_in_flight,
     )
