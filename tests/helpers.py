@@ -146,7 +146,7 @@ def run_on_workers(
 
         in_specs = (P(axis_name),) * k + (P(),) * len(shared)
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
-        return jax.jit(mapped)(*args, *shared_args)
+        return jax.block_until_ready(jax.jit(mapped)(*args, *shared_args))
     raise ValueError(f"unknown backend {backend!r}")
 
 

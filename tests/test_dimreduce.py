@@ -63,7 +63,8 @@ def _runner(fn, n: int, backend: str, n_stacked: int, n_shared: int):
     def run(*args):
         stacked = jax.device_put(args[:n_stacked], jax.sharding.NamedSharding(mesh, P("data")))
         shared = jax.device_put(args[n_stacked:], jax.sharding.NamedSharding(mesh, P()))
-        return mapped(*stacked, *shared)
+        # Wait for each call: XLA:CPU can deadlock with dozens of collective programs queued.
+        return jax.block_until_ready(mapped(*stacked, *shared))
 
     return run
 

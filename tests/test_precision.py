@@ -96,7 +96,8 @@ class ScaledStep:
     def __call__(self, params, state, batch, poison):
         batch = jax.device_put(batch, jax.sharding.NamedSharding(self.mesh, P("data")))
         poison = jax.device_put(np.asarray(poison), jax.sharding.NamedSharding(self.mesh, P("data")))
-        return self._fn(params, state, batch, poison)
+        # Wait for each step: XLA:CPU can deadlock with dozens of collective programs queued.
+        return jax.block_until_ready(self._fn(params, state, batch, poison))
 
 
 def _linreg_loss(params, batch):
