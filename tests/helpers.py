@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 import jaxopt_dist as jd
+from jaxopt_dist._src import comm
 
 P = jax.sharding.PartitionSpec
 BACKENDS = ("vmap", "shard_map")
@@ -373,6 +374,37 @@ def scan_steps(tx, grads_seq, params, *, backend, axis_name="data", mask=None):
 
 # ----------------------------------------------------------------------------
 # Compiled HLO.
+
+
+def traced_collectives(tx, params, n):
+    """(primitive name, bytes of the local operand) of every collective in one update under shard_map."""
+    mesh = make_mesh(n)
+    g = jax.device_put(
+        jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), params),
+        jax.sharding.NamedSharding(mesh, P("data")),
+    )
+
+    def body(g):
+        g = jax.tree.map(lambda x: x[0], g)
+        return tx.update(g, tx.init(g))[0]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True)
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            if name.startswith(("psum", "all_gather", "pmax", "pmin", "ppermute")):
+                found.append((name, sum(comm.tree_bytes(v.aval) for v in e.invars)))
+            for p in e.params.values():
+                for sub in p if isinstance(p, (list, tuple)) else [p]:
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jax.make_jaxpr(f)(g).jaxpr)
+    return found
 
 
 _COLLECTIVE_RE = re.compile(

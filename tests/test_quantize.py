@@ -11,7 +11,6 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
-from jaxopt_dist._src import comm
 from jaxopt_dist._src import quantize as q
 from tests import helpers
 
@@ -331,7 +330,7 @@ def test_qsgd_sum_dtype():
 )
 def test_qsgd_all_reduce_sums_in_the_smallest_safe_int(levels, n, dtype):
     """A pmax of the 3 float32 norms, then one psum of the 74 codes in ``dtype``."""
-    found = _collectives(jd.qsgd(levels), MIXED, n)
+    found = helpers.traced_collectives(jd.qsgd(levels), MIXED, n)
     assert found == [("pmax", 4 * 3), ("psum_invariant", 74 * jnp.dtype(dtype).itemsize)]
 
 
@@ -370,37 +369,6 @@ def test_qsgd_one_worker_both_modes_agree():
 # Communication: what the docstrings promise.
 
 
-def _collectives(tx, params, n):
-    """(primitive name, bytes of the local operand) of every collective in one update under shard_map."""
-    mesh = helpers.make_mesh(n)
-    g = jax.device_put(
-        jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), params),
-        jax.sharding.NamedSharding(mesh, P("data")),
-    )
-
-    def body(g):
-        g = jax.tree.map(lambda x: x[0], g)
-        return tx.update(g, tx.init(g))[0]
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True)
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            name = e.primitive.name
-            if name.startswith(("psum", "all_gather", "pmax", "pmin", "ppermute")):
-                found.append((name, sum(comm.tree_bytes(v.aval) for v in e.invars)))
-            for p in e.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else [p]:
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(f)(g).jaxpr)
-    return found
-
-
 MIXED = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,)), "h": jnp.zeros((41,), jnp.bfloat16)}  # D = 74, L = 3
 
 
@@ -420,7 +388,7 @@ MIXED = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,)), "h": jnp.zeros((41,), jnp
     ids=["majority_vote", "scaled_sign", "qsgd127", "qsgd128", "qsgd40000", "qsgd_buckets"],
 )
 def test_one_all_gather_of_the_documented_size(make_tx, nbytes):
-    found = _collectives(make_tx(), MIXED, 4)
+    found = helpers.traced_collectives(make_tx(), MIXED, 4)
     assert found == [("all_gather_invariant", nbytes)]
 
 

@@ -11,7 +11,6 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
-from jaxopt_dist._src import comm
 from jaxopt_dist._src import sparsify as sp
 from tests import helpers
 
@@ -328,42 +327,11 @@ def test_bf16_leaves_keep_dtype_and_match_float32_reference():
 # Communication: what the docstrings promise.
 
 
-def _collectives(tx, params, n):
-    """(primitive name, bytes of the local operand) of every collective in one update under shard_map."""
-    mesh = helpers.make_mesh(n)
-    g = jax.device_put(
-        jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), params),
-        jax.sharding.NamedSharding(mesh, P("data")),
-    )
-
-    def body(g):
-        g = jax.tree.map(lambda x: x[0], g)
-        return tx.update(g, tx.init(g))[0]
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True)
-    found = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            name = e.primitive.name
-            if name.startswith(("psum", "all_gather", "pmax", "pmin", "ppermute")):
-                found.append((name, sum(comm.tree_bytes(v.aval) for v in e.invars)))
-            for p in e.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else [p]:
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(f)(g).jaxpr)
-    return found
-
-
 MIXED = {"w": jnp.zeros((6, 5)), "b": jnp.zeros((3,)), "h": jnp.zeros((40,), jnp.bfloat16)}
 
 
 def test_top_k_sends_one_all_gather_of_values_and_indices():
-    found = _collectives(jd.top_k(4), MIXED, 4)
+    found = helpers.traced_collectives(jd.top_k(4), MIXED, 4)
     gathers = [b for name, b in found if name.startswith("all_gather")]
     reduces = [b for name, b in found if name.startswith("psum")]
     assert gathers == [4 * (4 + 4) + 4 * (2 + 4)]  # w (f32) and h (bf16) sparse
@@ -371,9 +339,9 @@ def test_top_k_sends_one_all_gather_of_values_and_indices():
 
 
 def test_top_k_flattened_and_threshold_bytes():
-    found = _collectives(jd.top_k(5, per_leaf=False), MIXED, 2)
+    found = helpers.traced_collectives(jd.top_k(5, per_leaf=False), MIXED, 2)
     assert found == [("all_gather_invariant", 5 * (4 + 4))]
-    found = _collectives(jd.threshold(0.1, capacity=3), MIXED, 2)
+    found = helpers.traced_collectives(jd.threshold(0.1, capacity=3), MIXED, 2)
     gathers = [b for name, b in found if name.startswith("all_gather")]
     assert gathers == [3 * (4 + 4) + 3 * (2 + 4)]  # b has 3 <= capacity entries: dense
 
@@ -382,7 +350,7 @@ def test_top_k_flattened_and_threshold_bytes():
     "make_tx", [lambda: jd.random_k(4), lambda: jd.block_k(4)], ids=["random_k", "block_k"]
 )
 def test_shared_choice_sends_only_values_in_one_all_reduce_per_dtype(make_tx):
-    found = _collectives(make_tx(), MIXED, 4)
+    found = helpers.traced_collectives(make_tx(), MIXED, 4)
     assert all(name.startswith("psum") for name, _ in found)
     assert sorted(b for _, b in found) == sorted([4 * 2, 4 * 4 + 3 * 4])  # bf16 buffer, f32 buffer
 

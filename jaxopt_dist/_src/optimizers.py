@@ -260,30 +260,47 @@ class ScaleByRmsState(NamedTuple):
     nu: optax.Updates  # like params
 
 
-def _scale_by_rms(decay: optax.ScalarOrSchedule, eps: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+def _scale_by_root_of_accumulator(
+    state_cls: Any,
+    initial: float,
+    accumulate: Any,
+    eps: optax.ScalarOrSchedule,
+) -> optax.GradientTransformation:
+    """``g / sqrt(a + eps)`` with ``a = accumulate(a, g * g, count)``, eps inside the root (SINGA).
+
+    Shared by RMSProp (a running mean) and AdaGrad (a running sum); the
+    accumulator is the second field of ``state_cls``.
+    """
+
     def init_fn(params):
-        return ScaleByRmsState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+        return state_cls(jnp.zeros([], jnp.int32), jax.tree.map(lambda p: jnp.full_like(p, initial), params))
 
     def update_fn(updates, state, params=None):
         del params
-        rho = base.resolve(decay, state.count)
         e = base.resolve(eps, state.count)
 
-        def one(g, nu):
+        def one(g, a):
             ct = _compute_dtype(g)
             g32 = g.astype(ct)
-            r = jnp.asarray(rho, ct)
-            new_nu = r * nu.astype(ct) + (1 - r) * g32 * g32
-            return g32 / jnp.sqrt(new_nu + jnp.asarray(e, ct)), new_nu
+            new_a = accumulate(a.astype(ct), g32 * g32, state.count)
+            return g32 / jnp.sqrt(new_a + jnp.asarray(e, ct)), new_a
 
-        pairs = jax.tree.map(one, updates, state.nu)
+        pairs = jax.tree.map(one, updates, state[1])
         out = jax.tree.map(lambda _, p: p[0], updates, pairs)
-        nu = jax.tree.map(lambda _, p: p[1], updates, pairs)
-        return _cast_tree_like(out, updates), ScaleByRmsState(
-            jnp.asarray(optax.safe_increment(state.count)), _cast_tree_like(nu, state.nu)
+        acc = jax.tree.map(lambda _, p: p[1], updates, pairs)
+        return _cast_tree_like(out, updates), state_cls(
+            jnp.asarray(optax.safe_increment(state.count)), _cast_tree_like(acc, state[1])
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _scale_by_rms(decay: optax.ScalarOrSchedule, eps: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+    def running_mean(nu, g2, count):
+        r = jnp.asarray(base.resolve(decay, count), nu.dtype)
+        return r * nu + (1 - r) * g2
+
+    return _scale_by_root_of_accumulator(ScaleByRmsState, 0.0, running_mean, eps)
 
 
 def rmsprop(
@@ -335,30 +352,9 @@ class ScaleByAdagradState(NamedTuple):
 def _scale_by_adagrad(
     eps: optax.ScalarOrSchedule, initial_accumulator_value: float
 ) -> optax.GradientTransformation:
-    def init_fn(params):
-        return ScaleByAdagradState(
-            jnp.zeros([], jnp.int32),
-            jax.tree.map(lambda p: jnp.full_like(p, initial_accumulator_value), params),
-        )
-
-    def update_fn(updates, state, params=None):
-        del params
-        e = base.resolve(eps, state.count)
-
-        def one(g, h):
-            ct = _compute_dtype(g)
-            g32 = g.astype(ct)
-            new_h = h.astype(ct) + g32 * g32
-            return g32 / jnp.sqrt(new_h + jnp.asarray(e, ct)), new_h
-
-        pairs = jax.tree.map(one, updates, state.sum_of_squares)
-        out = jax.tree.map(lambda _, p: p[0], updates, pairs)
-        h = jax.tree.map(lambda _, p: p[1], updates, pairs)
-        return _cast_tree_like(out, updates), ScaleByAdagradState(
-            jnp.asarray(optax.safe_increment(state.count)), _cast_tree_like(h, state.sum_of_squares)
-        )
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _scale_by_root_of_accumulator(
+        ScaleByAdagradState, initial_accumulator_value, lambda h, g2, count: h + g2, eps
+    )
 
 
 def adagrad(
