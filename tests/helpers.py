@@ -424,6 +424,22 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def grads_seq(seed: int, T: int, n: int, shapes: dict[str, tuple[int, ...]], *, zeros: bool = False) -> dict:
+    """Random float32 gradients shaped ``(T, n, *shape)``; ``zeros`` blanks about 20% of entries."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in shapes.items():
+        x = rng.standard_normal((T, n, *shape)).astype(np.float32)
+        if zeros:
+            x[rng.random(x.shape) < 0.2] = 0.0
+        out[name] = x
+    return out
+
+
+def zeros(shapes: dict[str, tuple[int, ...]]) -> dict:
+    return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+
+
 def random_tree(
     rng: np.random.Generator, shapes: dict[str, tuple[int, ...]], dtype=np.float32
 ) -> dict[str, np.ndarray]:

@@ -21,18 +21,11 @@ WORKERS = (1, 2, 3, 8)
 
 
 def make_grads(seed, T, n, shapes=SHAPES, zeros=False):
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in shapes.items():
-        x = rng.standard_normal((T, n, *shape)).astype(np.float32)
-        if zeros:
-            x[rng.random(x.shape) < 0.2] = 0.0
-        out[name] = x
-    return out
+    return helpers.grads_seq(seed, T, n, shapes, zeros=zeros)
 
 
 def zero_params(shapes=SHAPES):
-    return {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    return helpers.zeros(shapes)
 
 
 _STEP_KEYS: dict[int, list] = {}
