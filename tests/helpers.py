@@ -376,8 +376,9 @@ def scan_steps(tx, grads_seq, params, *, backend, axis_name="data", mask=None):
 # Compiled HLO.
 
 
-def traced_collectives(tx, params, n):
-    """(primitive name, bytes of the local operand) of every collective in one update under shard_map."""
+def update_program(tx, params, n):
+    """``(f, grads)``: one ``tx.update`` from a fresh state on ``n`` workers under shard_map
+    (replicated output), and stacked per-worker gradients (ones) placed for it."""
     mesh = make_mesh(n)
     g = jax.device_put(
         jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), params),
@@ -388,7 +389,12 @@ def traced_collectives(tx, params, n):
         g = jax.tree.map(lambda x: x[0], g)
         return tx.update(g, tx.init(g))[0]
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True), g
+
+
+def traced_collectives(tx, params, n):
+    """(primitive name, bytes of the local operand) of every collective in one update under shard_map."""
+    f, g = update_program(tx, params, n)
     found = []
 
     def walk(jaxpr):

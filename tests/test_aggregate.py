@@ -98,15 +98,8 @@ def test_fp16_divide_before_avoids_overflow():
 
 
 def _lowered(tx, n):
-    mesh = helpers.make_mesh(n)
-    grads = jax.device_put(_worker_grads(n), jax.sharding.NamedSharding(mesh, jax.P("data")))
-
-    def body(g):
-        g = jax.tree.map(lambda x: x[0], g)
-        u, _ = tx.update(g, tx.init(g))
-        return u
-
-    fn = jax.shard_map(body, mesh=mesh, in_specs=jax.P("data"), out_specs=jax.P(), check_vma=True)
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+    fn, grads = helpers.update_program(tx, params, n)
     return jax.jit(fn).lower(grads)
 
 

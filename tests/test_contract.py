@@ -212,3 +212,44 @@ def test_data_parallel_step_places_state(name, factory, per_worker):
     assert all(np.isfinite(losses))
     for leaf in jax.tree.leaves(params):
         assert leaf.sharding.is_fully_replicated != per_worker
+
+
+_LOCAL = {"sgd", "sign_sgd", "rmsprop", "adagrad", "adam", "scale_by_momentum", "iterate_average"}
+
+
+@pytest.mark.parametrize("name,factory,per_worker", TRANSFORMS, ids=IDS)
+def test_outside_a_mapped_axis(name, factory, per_worker):
+    """Local transforms run anywhere; communicating ones name themselves and the axis."""
+    tx = factory()
+    g = jax.tree.map(lambda x: x[0], _grads(3))
+
+    def call():
+        return tx.update(g, tx.init(PARAMS), PARAMS, **_extras(PARAMS))
+
+    if name in _LOCAL:
+        updates, _ = call()
+        helpers.assert_dtypes_equal(updates, g)
+        return
+    caller = next(
+        c
+        for c in (
+            "all_reduce",
+            "average_params",
+            "top_k",
+            "random_k",
+            "block_k",
+            "threshold",
+            "sign_majority_vote",
+            "scaled_sign",
+            "qsgd",
+            "powersgd",
+            "adasum",
+            "gossip",
+            "dynamic_loss_scale",
+            "apply_if_finite_everywhere",
+            "dim_reduce",
+        )
+        if name.startswith(c)
+    )
+    with pytest.raises(jd.UnboundAxisError, match=rf"`{caller}` communicates over the axis 'data'"):
+        call()

@@ -585,14 +585,12 @@ def test_fit_subspace_bad_n_components_type():
         fit_subspace(np.zeros((4, 3)), 1.5)
 
 
-def test_missing_line_search_args_and_unbound_axis():
+def test_missing_line_search_args():
     params = {"w": jnp.zeros(3)}
     tx = dim_reduce(np.eye(3, dtype=np.float32)[:2])
     state = tx.init(params)
     with pytest.raises(ValueError, match=r"needs the line-search extra args `value`"):
         jax.vmap(lambda g: tx.update(g, state, params)[0], axis_name="data")({"w": jnp.ones((2, 3))})
-    with pytest.raises(jd.UnboundAxisError, match=r"`dim_reduce` communicates over the axis 'data'"):
-        tx.update(params, state, params, value=0.0, value_fn=lambda q: 0.0)
 
 
 # ----------------------------------------------------------------------------

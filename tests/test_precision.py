@@ -681,11 +681,3 @@ def test_other_bad_inputs_and_unbound_axis():
     tx = master_weights(jd.sgd(0.1))
     with pytest.raises(ValueError, match=r"`master_weights` needs `params`"):
         tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
-    tx = apply_if_finite_everywhere(jd.sgd(0.1))
-    with pytest.raises(
-        jd.UnboundAxisError, match=r"`apply_if_finite_everywhere` communicates over the axis 'data'"
-    ):
-        tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
-    tx = dynamic_loss_scale(jd.sgd(0.1), axis_name="data")
-    with pytest.raises(jd.UnboundAxisError, match=r"`dynamic_loss_scale` communicates"):
-        tx.update(jnp.ones(2), tx.init(jnp.ones(2)))

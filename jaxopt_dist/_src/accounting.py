@@ -241,23 +241,24 @@ class CommunicationCost:
         chosen = set(self.period)
         return [s for s in self.steps if s.step in chosen]
 
+    def _period_mean(self, attr: str) -> float:
+        steps = self._averaged()
+        return float(np.mean([getattr(s, attr) for s in steps])) if steps else 0.0
+
     @property
     def sent_bytes(self) -> float:
         """Bytes a worker sends per step, averaged over ``period``."""
-        steps = self._averaged()
-        return float(np.mean([s.sent_bytes for s in steps])) if steps else 0.0
+        return self._period_mean("sent_bytes")
 
     @property
     def received_bytes(self) -> float:
         """Bytes a worker receives per step, averaged over ``period``."""
-        steps = self._averaged()
-        return float(np.mean([s.received_bytes for s in steps])) if steps else 0.0
+        return self._period_mean("received_bytes")
 
     @property
     def calls(self) -> float:
         """Collective operations per step, averaged over ``period``."""
-        steps = self._averaged()
-        return float(np.mean([s.calls for s in steps])) if steps else 0.0
+        return self._period_mean("calls")
 
     @property
     def worst_sent_bytes(self) -> float:
