@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -124,11 +124,6 @@ def resolve(value: optax.ScalarOrSchedule, count: jax.Array | None) -> Any:
     return value
 
 
-def scalar_like(value: Any, x: jax.Array) -> jax.Array:
-    """``value`` as a 0-d array of ``x``'s dtype, so that ``value * x`` keeps ``x.dtype``."""
-    return jnp.asarray(value, dtype=x.dtype)
-
-
 def repeat_segments(values: jax.Array, sizes: Any) -> jax.Array:
     """``values[i]`` repeated ``sizes[i]`` times (static ints), concatenated.
 
@@ -139,6 +134,3 @@ def repeat_segments(values: jax.Array, sizes: Any) -> jax.Array:
     """
     sizes = [int(s) for s in sizes]
     return jnp.concatenate([jnp.broadcast_to(values[i], (s,)) for i, s in enumerate(sizes)])
-
-
-Schedule = Callable[[jax.Array], jax.Array]

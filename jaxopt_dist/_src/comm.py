@@ -329,18 +329,13 @@ def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return x.reshape((n, *shape))
 
 
-def packed_nbytes(arrays: Sequence[Any]) -> int:
-    """Bytes of the buffer :func:`all_gather_packed` sends for ``arrays`` (arrays or ShapeDtypeStructs)."""
-    return int(sum(math.prod(np.shape(x)) * jnp.dtype(x.dtype).itemsize for x in arrays))
-
-
 def all_gather_packed(
     arrays: Sequence[jax.Array], axis_name: AxisName, *, caller: str | None = None
 ) -> list[jax.Array]:
     """Gathers several arrays of any shapes and numeric dtypes with ONE all-gather.
 
     The arrays are bitcast to bytes and concatenated into a single uint8 buffer
-    of ``B = sum(size * itemsize)`` bytes (:func:`packed_nbytes`); that buffer
+    of ``B = sum(size * itemsize)`` bytes; that buffer
     is all-gathered (each worker sends ``B`` bytes and receives the other
     workers' ``(n - 1) B``) and split back. Bitcasts are exact, so values
     arrive bit for bit.
