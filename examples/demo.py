@@ -179,14 +179,85 @@ def load_data(seed: int):
     return (x[:split], y[:split]), (x[split:], y[split:])
 
 
-def batches(x, y, batch_size: int, steps: int, seed: int):
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        idx = rng.integers(0, len(x), size=batch_size)
-        yield {"x": x[idx], "y": y[idx]}
+def batch_at(x, y, batch_size: int, step: int, seed: int) -> dict[str, np.ndarray]:
+    """The batch of step ``step``: a function of (seed, step), so a resumed run sees the same data."""
+    idx = np.random.default_rng([seed, step]).integers(0, len(x), size=batch_size)
+    return {"x": x[idx], "y": y[idx]}
+
+
+class Checkpoints:
+    """Orbax checkpoints of one method's run: params, optimizer state and the curves so far.
+
+    Saves every ``every`` steps (asynchronously, atomically: a run killed mid-save
+    leaves the previous checkpoint usable) and a ``row.json`` once the method is done.
+    """
+
+    def __init__(self, directory: str, every: int):
+        import orbax.checkpoint as ocp
+
+        self.ocp = ocp
+        self.directory = os.path.abspath(directory)
+        self.every = every
+        self.row_path = os.path.join(self.directory, "row.json")
+        self._managers: dict[str, Any] = {}
+
+    def manager(self, phase: str):
+        if phase not in self._managers:
+            options = self.ocp.CheckpointManagerOptions(max_to_keep=2)
+            self._managers[phase] = self.ocp.CheckpointManager(
+                os.path.join(self.directory, phase), options=options
+            )
+        return self._managers[phase]
+
+    def save(self, phase: str, step: int, tree: Any, meta: dict[str, Any]) -> None:
+        ocp = self.ocp
+        self.manager(phase).save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
+        )
+
+    def latest(self, phase: str) -> int | None:
+        return self.manager(phase).latest_step()
+
+    def restore(self, phase: str, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
+        """Restores ``step`` with the shapes, dtypes and shardings of ``like``."""
+        ocp = self.ocp
+
+        def spec(x):  # jax arrays come back placed like ``x``; NumPy arrays as NumPy
+            return (
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+            )
+
+        target = jax.tree.map(spec, like)
+        out = self.manager(phase).restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        )
+        return out.state, out.meta
+
+    def finished(self) -> dict[str, Any] | None:
+        if not os.path.exists(self.row_path):
+            return None
+        with open(self.row_path) as f:
+            return json.load(f)
+
+    def finish(self, row: dict[str, Any]) -> None:
+        for m in self._managers.values():
+            m.wait_until_finished()
+            m.close()
+        tmp = self.row_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(row, f)
+        os.replace(tmp, self.row_path)
 
 
 def train(name: str, method: Method, *, model, params0, data, args, mesh, progress) -> dict[str, Any]:
+    ckpt = (
+        Checkpoints(os.path.join(args.checkpoint_dir, name), args.checkpoint_every)
+        if args.checkpoint_dir
+        else None
+    )
+    if ckpt is not None and (row := ckpt.finished()) is not None:
+        progress.update(args.steps)
+        return row
     (x_train, y_train), (x_test, y_test) = data
     n = mesh.shape["data"]
 
@@ -194,18 +265,19 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
         logits = model.apply(params, batch["x"]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-    stream = batches(x_train, y_train, args.batch_size * n, args.steps, args.seed)
     losses, times = [], []
 
-    def run(step, params, opt_state, num_steps):
-        for _ in range(num_steps):
-            batch = next(stream)
+    def run(step, params, opt_state, start, stop, phase=None):
+        for t in range(start, stop):
+            batch = batch_at(x_train, y_train, args.batch_size * n, t, args.seed)
             t0 = time.perf_counter()
             params, opt_state, metrics = step(params, opt_state, batch)
             loss = float(metrics["loss"])  # blocks: the time covers the whole step
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             progress.update(1)
+            if phase is not None and (t + 1) % ckpt.every == 0 and t + 1 < stop:
+                ckpt.save(phase, t + 1, (params, opt_state), {"losses": losses, "times": times})
         return params, opt_state
 
     start = params0
@@ -214,13 +286,22 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
     snapshots = []
     warmup = int(method.warmup * args.steps)
     if warmup:  # dense SGD first, keeping parameter snapshots
-        warm = jd.data_parallel_step(loss_fn, dense_sgd(), mesh=mesh)
-        params, opt_state = warm.init(start)
-        every = max(1, warmup // 30)
-        for t in range(0, warmup, every):
-            params, opt_state = run(warm, params, opt_state, min(every, warmup - t))
-            snapshots.append(jax.device_get(params))
-        start = jax.device_get(params)
+        done = ckpt.latest("warmup") if ckpt is not None else None
+        if done is not None:  # the warm-up finished in an earlier run
+            like = {"start": start, "snapshots": [start] * len(range(0, warmup, max(1, warmup // 30)))}
+            tree, meta = ckpt.restore("warmup", done, jax.device_get(like))
+            start, snapshots, losses[:] = tree["start"], tree["snapshots"], meta["losses"]
+            progress.update(warmup)
+        else:
+            warm = jd.data_parallel_step(loss_fn, dense_sgd(), mesh=mesh)
+            params, opt_state = warm.init(start)
+            every = max(1, warmup // 30)
+            for t in range(0, warmup, every):
+                params, opt_state = run(warm, params, opt_state, t, min(t + every, warmup))
+                snapshots.append(jax.device_get(params))
+            start = jax.device_get(params)
+            if ckpt is not None:
+                ckpt.save("warmup", warmup, {"start": start, "snapshots": snapshots}, {"losses": losses})
         times.clear()  # report the time per step of the method itself
     tx = method.make(snapshots) if warmup else method.make()
     step = jd.data_parallel_step(
@@ -231,7 +312,13 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
         loss_scale=jd.loss_scale if method.bf16 else None,
     )
     params, opt_state = step.init(start)
-    params, opt_state = run(step, params, opt_state, args.steps - warmup)
+    first = warmup
+    if ckpt is not None and (saved := ckpt.latest("main")) is not None:
+        (params, opt_state), meta = ckpt.restore("main", saved, (params, opt_state))
+        losses[:], times[:] = meta["losses"], meta["times"]
+        progress.update(saved - warmup)
+        first = saved
+    params, opt_state = run(step, params, opt_state, first, args.steps, "main" if ckpt is not None else None)
 
     if method.per_worker_params:  # evaluate the average of the workers' models
         params = jax.tree.map(lambda p: np.mean(np.asarray(p, np.float32), axis=0), params)
@@ -242,7 +329,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
     # Trace again at 64 workers: message sizes and rounds of some schemes depend on the count.
     cost64 = jd.communication_cost(tx, start, axis_size=64)
     projected = jd.project_step_time(cost64, bandwidth_gbps=10.0, latency_us=5.0)
-    return {
+    row = {
         "method": name,
         "label": method.label,
         "test_accuracy": accuracy,
@@ -253,6 +340,9 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
         "projected_ms_64w_10gbps": 1e3 * float(projected),
         "losses": losses,
     }
+    if ckpt is not None:
+        ckpt.finish(row)
+    return row
 
 
 def fmt_bytes(b: float) -> str:
@@ -356,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=16, help="examples per worker per step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out", help="folder for the PNGs and results.json")
+    ap.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save orbax checkpoints here and resume from them: finished methods are not rerun, "
+        "an interrupted one continues from its last checkpoint",
+    )
+    ap.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     args = ap.parse_args(argv)
 
     names = (
@@ -364,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in names if m not in known]
     if unknown:
         ap.error(f"unknown method(s) {unknown}; choose from {list(known)}")
+    if args.checkpoint_every < 1:
+        ap.error("--checkpoint-every must be at least 1")
     if args.workers > jax.device_count():
         ap.error(f"--workers {args.workers} > {jax.device_count()} available devices")
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -42,3 +45,82 @@ def test_demo_rejects_unknown_method(tmp_path):
     demo = _load("demo")
     with pytest.raises(SystemExit):
         demo.main(["--methods", "dense,nope", "--out", str(tmp_path)])
+
+
+def _demo_cmd(out, ckpt, steps):
+    return [
+        sys.executable,
+        str(ROOT / "examples" / "demo.py"),
+        "--methods",
+        "dense,powersgd_r2",
+        "--workers",
+        "4",
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        "20",
+        "--out",
+        str(out),
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
+
+
+def _child_env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+@pytest.mark.slow
+def test_demo_killed_mid_run_resumes_to_the_same_result(tmp_path):
+    steps = 400
+    env = _child_env()
+    # The uninterrupted run.
+    done = subprocess.run(
+        _demo_cmd(tmp_path / "a", tmp_path / "ck_a", steps),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # A run killed (SIGKILL) once PowerSGD has saved a checkpoint part-way.
+    ck = tmp_path / "ck_b"
+    proc = subprocess.Popen(
+        _demo_cmd(tmp_path / "b", ck, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    saved = ck / "powersgd_r2" / "main"
+    deadline = time.monotonic() + 300
+    while not (saved.is_dir() and any(p.name.isdigit() and int(p.name) >= 40 for p in saved.iterdir())):
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    proc.stderr.close()
+    assert not (ck / "powersgd_r2" / "row.json").exists(), "the run finished before it was killed"
+    dense_row = (ck / "dense" / "row.json").stat().st_mtime_ns
+
+    resumed = subprocess.run(
+        _demo_cmd(tmp_path / "b", ck, steps), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (ck / "dense" / "row.json").stat().st_mtime_ns == dense_row  # finished methods are not rerun
+    for name in ("dense", "powersgd_r2"):
+        a = json.loads((tmp_path / "ck_a" / name / "row.json").read_text())
+        b = json.loads((ck / name / "row.json").read_text())
+        assert len(b["losses"]) == steps
+        assert b["losses"] == a["losses"]  # every loss, before and after the kill, bit for bit
+        assert b["test_accuracy"] == a["test_accuracy"]
+    rows_a = json.loads((tmp_path / "a" / "results.json").read_text())
+    rows_b = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert [r["test_accuracy"] for r in rows_a] == [r["test_accuracy"] for r in rows_b]
+
+
+def test_demo_rejects_bad_checkpoint_interval(tmp_path):
+    demo = _load("demo")
+    with pytest.raises(SystemExit):
+        demo.main(["--checkpoint-every", "0", "--out", str(tmp_path)])
