@@ -35,6 +35,8 @@ def test_demo_runs_every_method(tmp_path, capsys):
         assert r["bytes_per_step"] > 0 and r["ms_per_step"] > 0
         assert f"| {r['method']} |" in out
     by = {r["method"]: r for r in rows}
+    assert by["dense"]["step_time_vs_dense"] == 1.0
+    assert all(r["step_time_vs_dense"] > 0 for r in rows)
     assert by["powersgd_r1"]["bytes_per_step"] < by["dense"]["bytes_per_step"] / 10
     assert by["bf16"]["compression_ratio"] == pytest.approx(2.0)
     assert (tmp_path / "loss_vs_step.png").stat().st_size > 10_000
