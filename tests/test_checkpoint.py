@@ -177,12 +177,15 @@ def test_resume_from_checkpoint_is_bit_identical(name, tmp_path):
     saved = jax.device_get({"params": params, "opt_state": opt_state})
     params, opt_state, losses = _run(step, params, opt_state, STEPS, 2 * STEPS)
 
-    # Resumed: a new step object, the target layout from a fresh placed state.
+    # Resumed: a new step object; the target layout from abstract_init, which
+    # must match a freshly placed state.
     fresh = _make_step(family, mesh)
     target = dict(zip(("params", "opt_state"), fresh.init(p0)))
+    abstract = dict(zip(("params", "opt_state"), fresh.abstract_init(p0)))
+    assert abstract == _abstract(target)
     with ocp.CheckpointManager(tmp_path) as mngr:
         assert mngr.latest_step() == STEPS
-        restored = mngr.restore(STEPS, args=ocp.args.StandardRestore(_abstract(target)))
+        restored = mngr.restore(STEPS, args=ocp.args.StandardRestore(abstract))
     assert jax.tree.structure(restored) == jax.tree.structure(target)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(target)):
         assert isinstance(got, jax.Array), jax.tree_util.keystr(path)

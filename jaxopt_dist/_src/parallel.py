@@ -270,6 +270,25 @@ def opt_state_specs(
     return jax.tree.map(lambda m: spec if m else P(), placement.per_worker)
 
 
+def _is_global(x: Any) -> bool:
+    """Whether ``x`` is an array spanning devices of other processes (multi-host)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _stacked(x: Any, n: int, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """``n`` copies of ``x`` along a new leading axis, placed one row per worker.
+
+    Each process puts one row on each of its own devices: the ``n`` copies are
+    never materialized on one device, and nothing crosses the network.
+    """
+    if _is_global(x):
+        return jax.device_put(jnp.broadcast_to(x, (n, *np.shape(x))), sharding)
+    row = jnp.asarray(x)[None]
+    shape = (n, *row.shape[1:])
+    shards = [jax.device_put(row, d) for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
 def _place(tree: Any, mask: Any, *, mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> Any:
     n = _mesh_axis_size(mesh, axis_name)
     sharded = jax.sharding.NamedSharding(mesh, _spec(axis_name))
@@ -277,11 +296,29 @@ def _place(tree: Any, mask: Any, *, mesh: jax.sharding.Mesh, axis_name: base.Axi
 
     def put(x, m):
         if m:
-            x = jnp.broadcast_to(x, (n, *np.shape(x)))
-            return jax.device_put(x, sharded)
+            return _stacked(x, n, sharded)
+        # In a multi-process run, JAX checks that every process passes the same value.
         return jax.device_put(x, replicated)
 
     return jax.tree.map(put, tree, mask)
+
+
+def _global_batch(batch: Any, shardings: Any) -> Any:
+    """Host batch leaves as global arrays, for meshes spanning several processes.
+
+    Each leaf is read as the *global* batch: every process transfers only the
+    rows of its own devices (the other rows are never read). ``jax.device_put``
+    would instead all-gather the whole batch to check it is equal everywhere.
+    """
+
+    def make(x, s):
+        if _is_global(x):
+            return x
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
+        return jax.make_array_from_callback(np.shape(x), s, lambda idx: x[idx])
+
+    return jax.tree.map(make, batch, shardings)
 
 
 def place_params(
@@ -396,6 +433,31 @@ class DataParallelStep:
         )
         return placed, state
 
+    def abstract_init(self, params: Any) -> tuple[Any, Any]:
+        """Like :meth:`init`, as ``jax.ShapeDtypeStruct`` leaves with shardings; nothing is allocated.
+
+        The restore target for a checkpoint of ``(params, opt_state)``, e.g.
+        ``ocp.args.StandardRestore(step.abstract_init(params0))`` with
+        orbax-checkpoint: per-worker leaves come back stacked and placed
+        ``P(axis_name)``, the rest replicated.
+        """
+        local = _abstract(params)
+        placement = self.placement(local)
+        n = self.num_workers
+        sharded = jax.sharding.NamedSharding(self.mesh, _spec(self.axis_name))
+        replicated = jax.sharding.NamedSharding(self.mesh, P())
+
+        def spec(x, per_worker):
+            if per_worker:
+                return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharded)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+
+        state = jax.eval_shape(self.tx.init, local)
+        return (
+            jax.tree.map(lambda x: spec(x, self.per_worker_params), local),
+            jax.tree.map(spec, state, placement.per_worker),
+        )
+
     def _local_params(self, params: Any) -> Any:
         if self.per_worker_params:
             return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)), params)
@@ -466,6 +528,8 @@ class DataParallelStep:
             # One device_put for the whole call: a no-op for arrays already in
             # place, a transfer for host batches, a reshard otherwise. (jit's own
             # in_shardings would not retype arrays for meshes with Explicit axes.)
+            if multi_process:
+                batch = _global_batch(batch, in_shardings[2])
             params, opt_state, batch = jax.device_put((params, opt_state, batch), in_shardings)
             out = jitted(params, opt_state, batch)
             if limit is not None:
@@ -474,6 +538,7 @@ class DataParallelStep:
                     in_flight.popleft().block_until_ready()
             return out
 
+        multi_process = self.mesh.is_multi_process
         limit = self._in_flight_limit()
         in_flight: collections.deque[Any] = collections.deque()
         return run
@@ -528,6 +593,15 @@ def data_parallel_step(
 
     ``tx.update`` receives the line-search extra args ``value`` (this worker's
     loss) and ``value_fn`` (params -> this worker's loss on the same shard).
+
+    Multi-host (``jax.distributed``, a mesh over the devices of every
+    process): every process calls the step with the same arguments. A batch
+    leaf that is already a global ``jax.Array`` (e.g. from
+    :func:`jax.make_array_from_process_local_data`) is used as is; a NumPy
+    leaf (or an array on this process's devices only) is read as the *global*
+    batch, and each process transfers only the rows of its own devices.
+    ``init`` expects the same parameters on every process (JAX checks the
+    replicated ones).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
