@@ -224,17 +224,10 @@ class Checkpoints:
         return self.manager(phase).latest_step()
 
     def restore(self, phase: str, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
-        """Restores ``step`` with the shapes, dtypes and shardings of ``like``."""
+        """Restores ``step`` like ``like``: ShapeDtypeStructs (with shardings) or NumPy arrays."""
         ocp = self.ocp
-
-        def spec(x):  # jax arrays come back placed like ``x``; NumPy arrays as NumPy
-            return (
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
-            )
-
-        target = jax.tree.map(spec, like)
         out = self.manager(phase).restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(like), meta=ocp.args.JsonRestore())
         )
         return out.state, out.meta
 
@@ -290,17 +283,17 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
         start = jax.tree.map(lambda p: p.astype(jnp.bfloat16), start)
     snapshots = []
     warmup = int(method.warmup * args.steps)
-    if warmup:  # dense SGD first, keeping parameter snapshots
+    if warmup:  # dense SGD first, keeping parameter snapshots every `every` steps
+        every = max(1, warmup // 30)
         done = ckpt.latest("warmup") if ckpt is not None else None
         if done is not None:  # the warm-up finished in an earlier run
-            like = {"start": start, "snapshots": [start] * len(range(0, warmup, max(1, warmup // 30)))}
+            like = {"start": start, "snapshots": [start] * len(range(0, warmup, every))}
             tree, meta = ckpt.restore("warmup", done, jax.device_get(like))
             start, snapshots, losses[:] = tree["start"], tree["snapshots"], meta["losses"]
             progress.update(warmup)
         else:
             warm = jd.data_parallel_step(loss_fn, dense_sgd(), mesh=mesh)
             params, opt_state = warm.init(start)
-            every = max(1, warmup // 30)
             for t in range(0, warmup, every):
                 params, opt_state = run(warm, params, opt_state, t, min(t + every, warmup))
                 snapshots.append(jax.device_get(params))
@@ -316,13 +309,14 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
         per_worker_params=method.per_worker_params,
         loss_scale=jd.loss_scale if method.bf16 else None,
     )
-    params, opt_state = step.init(start)
     first = warmup
     if ckpt is not None and (saved := ckpt.latest("main")) is not None:
-        (params, opt_state), meta = ckpt.restore("main", saved, (params, opt_state))
+        (params, opt_state), meta = ckpt.restore("main", saved, step.abstract_init(start))
         losses[:], times[:] = meta["losses"], meta["times"]
         progress.update(saved - warmup)
         first = saved
+    else:
+        params, opt_state = step.init(start)
     params, opt_state = run(step, params, opt_state, first, args.steps, "main" if ckpt is not None else None)
 
     if method.per_worker_params:  # evaluate the average of the workers' models

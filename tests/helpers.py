@@ -15,7 +15,11 @@ Inputs and per-worker outputs are stacked: leading axis = worker.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import pathlib
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +33,7 @@ from jaxopt_dist._src import comm
 
 P = jax.sharding.PartitionSpec
 BACKENDS = ("vmap", "shard_map")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------
@@ -450,3 +455,52 @@ def random_tree(
     rng: np.random.Generator, shapes: dict[str, tuple[int, ...]], dtype=np.float32
 ) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()}
+
+
+# ----------------------------------------------------------------------------
+# Shared randomness schedule.
+
+_STEP_KEYS: dict[int, list] = {}
+
+
+def step_key(seed: int, t: int) -> jax.Array:
+    """The key a transform with a seeded state key uses at step ``t``.
+
+    The documented schedule: the state key starts as ``PRNGKey(seed)`` and is
+    split into ``(next_key, step_key)`` at every step.
+    """
+    keys = _STEP_KEYS.setdefault(seed, [])
+    key = keys[-1][0] if keys else jax.random.PRNGKey(seed)
+    while len(keys) <= t:
+        key, sub = jax.random.split(key)
+        keys.append((key, sub))
+    return keys[t][1]
+
+
+# ----------------------------------------------------------------------------
+# Examples and child processes.
+
+
+def load_example(name: str) -> Any:
+    """Imports ``examples/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def child_env(devices: int | None = None) -> dict[str, str]:
+    """The environment for a child Python process: CPU only, this checkout importable.
+
+    This process's simulated device count is dropped (conftest sets 8); with
+    ``devices`` the child gets that many, otherwise it chooses itself.
+    """
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env

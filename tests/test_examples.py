@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import pathlib
 import subprocess
 import sys
 import time
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests import helpers
 
 
 @pytest.mark.slow
 def test_demo_runs_every_method(tmp_path, capsys):
-    demo = _load("demo")
+    demo = helpers.load_example("demo")
     assert demo.main(["--steps", "6", "--workers", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "results.json").read_text())
@@ -44,7 +33,7 @@ def test_demo_runs_every_method(tmp_path, capsys):
 
 
 def test_demo_rejects_unknown_method(tmp_path):
-    demo = _load("demo")
+    demo = helpers.load_example("demo")
     with pytest.raises(SystemExit):
         demo.main(["--methods", "dense,nope", "--out", str(tmp_path)])
 
@@ -52,7 +41,7 @@ def test_demo_rejects_unknown_method(tmp_path):
 def _demo_cmd(out, ckpt, steps):
     return [
         sys.executable,
-        str(ROOT / "examples" / "demo.py"),
+        str(helpers.ROOT / "examples" / "demo.py"),
         "--methods",
         "dense,powersgd_r2",
         "--workers",
@@ -68,17 +57,10 @@ def _demo_cmd(out, ckpt, steps):
     ]
 
 
-def _child_env():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env.setdefault("JAX_PLATFORMS", "cpu")
-    return env
-
-
 @pytest.mark.slow
 def test_demo_killed_mid_run_resumes_to_the_same_result(tmp_path):
     steps = 400
-    env = _child_env()
+    env = helpers.child_env(devices=4)
     # The uninterrupted run.
     done = subprocess.run(
         _demo_cmd(tmp_path / "a", tmp_path / "ck_a", steps),
@@ -123,6 +105,6 @@ def test_demo_killed_mid_run_resumes_to_the_same_result(tmp_path):
 
 
 def test_demo_rejects_bad_checkpoint_interval(tmp_path):
-    demo = _load("demo")
+    demo = helpers.load_example("demo")
     with pytest.raises(SystemExit):
         demo.main(["--checkpoint-every", "0", "--out", str(tmp_path)])

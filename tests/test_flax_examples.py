@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import numpy as np
 import pytest
 
 import jaxopt_dist as jd
+from tests import helpers
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ["--steps", "60", "--workers", "4", "--batch-size", "16", "--seed", "0"]
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _check_training(result):
@@ -37,7 +25,7 @@ def _check_training(result):
 
 @pytest.mark.devices(4)
 def test_nnx_shard_map_example_trains(capsys):
-    result = _load("flax_nnx_shard_map").main(SMALL)
+    result = helpers.load_example("flax_nnx_shard_map").main(SMALL)
     _check_training(result)
     assert result["workers"] == 4
     assert "test accuracy" in capsys.readouterr().out
@@ -45,7 +33,7 @@ def test_nnx_shard_map_example_trains(capsys):
 
 @pytest.mark.devices(4)
 def test_linen_pmap_example_trains_with_identical_replicas(capsys):
-    result = _load("flax_linen_pmap").main(SMALL)
+    result = helpers.load_example("flax_linen_pmap").main(SMALL)
     _check_training(result)
     params = jax.tree.leaves(result["params_per_device"])
     assert params and all(p.shape[0] == 4 for p in params)
@@ -76,4 +64,4 @@ def test_linen_pmap_example_trains_with_identical_replicas(capsys):
 @pytest.mark.parametrize("name", ["flax_nnx_shard_map", "flax_linen_pmap"])
 def test_flax_examples_reject_too_many_workers(name):
     with pytest.raises(SystemExit):
-        _load(name).main(["--workers", str(jax.device_count() + 1)])
+        helpers.load_example(name).main(["--workers", str(jax.device_count() + 1)])

@@ -17,8 +17,6 @@ arithmetic in the same order: they agree bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import pathlib
 import socket
 import subprocess
@@ -28,8 +26,9 @@ import time
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "examples" / "multihost.py"
+from tests import helpers
+
+SCRIPT = helpers.ROOT / "examples" / "multihost.py"
 STEPS = 20
 TIMEOUT_S = 150  # for all runs together
 # In-process vs gloo, largest |difference| / max |param| after these 20 steps:
@@ -46,17 +45,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_env() -> dict[str, str]:
-    # conftest.py set XLA_FLAGS for this process (8 devices); children choose
-    # their own device count with --local-devices.
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join(flags)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    return env
-
-
 def _launch(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
     """Starts every run at once, waits, and returns the parameter files by run name."""
     common = ["--steps", str(STEPS), "--batch-size", "64", "--hidden", "32"]
@@ -70,7 +58,7 @@ def _launch(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
     }
     runs["gloo_1proc"] = ["--coordinator", f"127.0.0.1:{port_1}", "--local-devices", "4"]
     runs["inprocess_1proc"] = ["--local-devices", "4"]
-    env = _child_env()
+    env = helpers.child_env()  # children choose their devices with --local-devices
     procs, outs = {}, {}
     for name, args in runs.items():
         outs[name] = tmp_path / f"{name}.npz"
@@ -138,9 +126,6 @@ def test_two_processes_match_one(tmp_path):
     ],
 )
 def test_bad_arguments_are_rejected(argv, message, capsys):
-    spec = importlib.util.spec_from_file_location("example_multihost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     with pytest.raises(SystemExit):
-        module.parse_args(argv)
+        helpers.load_example("multihost").parse_args(argv)
     assert message in capsys.readouterr().err

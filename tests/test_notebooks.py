@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import re
 
 import pytest
+
+from tests import helpers
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOKS = helpers.ROOT / "notebooks"
 
 
 def _kernel_env(steps: int, workers: int) -> dict[str, str]:
     """The kernel's environment: CPU devices, this checkout importable, small settings."""
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    flags = env.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags = f"{flags} --xla_force_host_platform_device_count=8".strip()
-    env["XLA_FLAGS"] = flags
     # The checkout first on the path: the setup cell then finds jaxopt_dist and installs nothing.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = helpers.child_env(devices=8)
     env["JAXOPT_DIST_NOTEBOOK_STEPS"] = str(steps)
     env["JAXOPT_DIST_NOTEBOOK_WORKERS"] = str(workers)
     env.pop("MPLBACKEND", None)  # the kernel's inline backend draws the figures as PNG outputs

@@ -28,19 +28,6 @@ def zero_params(shapes=SHAPES):
     return helpers.zeros(shapes)
 
 
-_STEP_KEYS: dict[int, list] = {}
-
-
-def step_key(seed, t):
-    """The key qsgd uses at step ``t`` (documented schedule: split the state key each step)."""
-    keys = _STEP_KEYS.setdefault(seed, [])
-    key = keys[-1][0] if keys else jax.random.PRNGKey(seed)
-    while len(keys) <= t:
-        key, sub = jax.random.split(key)
-        keys.append((key, sub))
-    return keys[t][1]
-
-
 # ----------------------------------------------------------------------------
 # NumPy references (loops over workers).
 
@@ -98,7 +85,7 @@ def np_qsgd_run(grads_seq, levels, seed, bucket=None, ef=False, aggregate="all_r
     s = np.float32(levels)
     outs = []
     for t in range(T):
-        u_all = np.asarray(_uniforms(step_key(seed, t), jnp.arange(n), total_padded))
+        u_all = np.asarray(_uniforms(helpers.step_key(seed, t), jnp.arange(n), total_padded))
         out = {}
         offset = 0
         for k, (m, b) in zip(NAMES, layout):

@@ -100,20 +100,8 @@ def threshold_select(thr, capacity):
     return select
 
 
-_STEP_KEYS: dict[int, list] = {}
-
-
-def step_key(seed, t):
-    """The key a shared-choice sparsifier uses at step ``t`` (documented schedule)."""
-    keys = _STEP_KEYS.setdefault(seed, [])
-    key = keys[-1][0] if keys else jax.random.PRNGKey(seed)
-    while len(keys) <= t:
-        key, sub = jax.random.split(key)
-        keys.append((key, sub))
-    return keys[t][1]
-
-
-def random_k_select(k, seed):
+def _shared_select(k, seed, positions):
+    """Per (step, leaf) positions of a shared-choice sparsifier; ``positions(key, li, d)``."""
     cache = {}
 
     def select(t, name, li, x):
@@ -121,24 +109,18 @@ def random_k_select(k, seed):
         if k >= d:
             return None
         if (t, li) not in cache:
-            cache[(t, li)] = np.asarray(sp.random_k_indices(step_key(seed, t), li, d, k))
+            cache[(t, li)] = positions(helpers.step_key(seed, t), li, d)
         return cache[(t, li)]
 
     return select
 
 
+def random_k_select(k, seed):
+    return _shared_select(k, seed, lambda key, li, d: np.asarray(sp.random_k_indices(key, li, d, k)))
+
+
 def block_k_select(k, seed):
-    cache = {}
-
-    def select(t, name, li, x):
-        d = x.shape[0]
-        if k >= d:
-            return None
-        if (t, li) not in cache:
-            cache[(t, li)] = int(sp.block_k_start(step_key(seed, t), li, d))
-        return (cache[(t, li)] + np.arange(k)) % d
-
-    return select
+    return _shared_select(k, seed, lambda key, li, d: (int(sp.block_k_start(key, li, d)) + np.arange(k)) % d)
 
 
 CASES = {

@@ -661,26 +661,23 @@ def _trace(tx: Any, params: Any, sizes: dict[Hashable, int], axis_name: base.Axi
 
     s_spec = [spec if m else P() for m in mask]
     p_spec = jax.tree.map(lambda _: spec if per_worker_params else P(), p_abs)
-    fn = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: spec, p_abs), s_spec, p_spec),
-        out_specs=s_spec,
-        check_vma=True,
-    )
-    try:
-        closed = jax.make_jaxpr(fn)(g_in, s_in, p_in)
-    except Exception:
-        # Some transforms trace only without varying/invariant typing (e.g. optax.MultiSteps,
-        # whose cond mixes replicated and per-worker accumulators); collectives are the same.
+
+    def trace(check_vma: bool):
         fn = jax.shard_map(
             body,
             mesh=mesh,
             in_specs=(jax.tree.map(lambda _: spec, p_abs), s_spec, p_spec),
             out_specs=s_spec,
-            check_vma=False,
+            check_vma=check_vma,
         )
-        closed = jax.make_jaxpr(fn)(g_in, s_in, p_in)
+        return jax.make_jaxpr(fn)(g_in, s_in, p_in)
+
+    try:
+        closed = trace(check_vma=True)
+    except Exception:
+        # Some transforms trace only without varying/invariant typing (e.g. optax.MultiSteps,
+        # whose cond mixes replicated and per-worker accumulators); collectives are the same.
+        closed = trace(check_vma=False)
     return _Traced(
         closed.jaxpr,
         list(closed.consts),

@@ -442,20 +442,17 @@ class DataParallelStep:
         ``P(axis_name)``, the rest replicated.
         """
         local = _abstract(params)
-        placement = self.placement(local)
         n = self.num_workers
         sharded = jax.sharding.NamedSharding(self.mesh, _spec(self.axis_name))
         replicated = jax.sharding.NamedSharding(self.mesh, P())
 
-        def spec(x, per_worker):
-            if per_worker:
-                return jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharded)
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+        def placed(x, per_worker):
+            return _stack_abstract(x, n, sharded) if per_worker else _with_sharding(x, replicated)
 
         state = jax.eval_shape(self.tx.init, local)
         return (
-            jax.tree.map(lambda x: spec(x, self.per_worker_params), local),
-            jax.tree.map(spec, state, placement.per_worker),
+            placed(local, self.per_worker_params),
+            jax.tree.map(placed, state, self.placement(local).per_worker),
         )
 
     def _local_params(self, params: Any) -> Any:
