@@ -38,6 +38,7 @@ charged once per step (their trip count is unknown), also marked inexact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Hashable, Mapping, Sequence
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxopt_dist._src import base, comm, parallel
+from jaxopt_dist._src import base, comm, compat, parallel
 
 P = jax.sharding.PartitionSpec
 
@@ -560,7 +561,7 @@ class _Walker:
     def _scan(self, eqn: Any, ins: list[Any], path: tuple[str, ...]) -> list[Collective]:
         body, consts = _as_jaxpr(eqn.params["jaxpr"])
         length = int(eqn.params["length"])
-        num_consts = int(eqn.params["num_consts"])
+        num_consts = compat.scan_num_consts(eqn)
         args = list(ins[:num_consts]) + [_UNKNOWN] * (len(body.invars) - num_consts)
         _, found = self.walk(body, consts, args, path)
         return [dataclasses.replace(c, multiplier=c.multiplier * length) for c in found]
@@ -626,6 +627,15 @@ class _Traced:
 def _trace(tx: Any, params: Any, sizes: dict[Hashable, int], axis_name: base.AxisName) -> _Traced:
     axis_names: Any = tuple(sizes.keys())
     mesh: Any = jax.sharding.AbstractMesh(tuple(sizes.values()), axis_names)
+    # The trace runs on its own abstract mesh, whatever mesh (explicit or auto axes) the
+    # caller has set with jax.set_mesh: shard_map requires the context mesh to match.
+    with jax.sharding.use_abstract_mesh(mesh):
+        return _trace_on(tx, params, mesh, sizes, axis_name)
+
+
+def _trace_on(
+    tx: Any, params: Any, mesh: Any, sizes: dict[Hashable, int], axis_name: base.AxisName
+) -> _Traced:
     names: list[Any] = list(axis_name) if isinstance(axis_name, tuple) else [axis_name]
     n = int(math.prod(sizes[a] for a in names))
     spec = P(tuple(names) if len(names) > 1 else names[0])
@@ -646,10 +656,15 @@ def _trace(tx: Any, params: Any, sizes: dict[Hashable, int], axis_name: base.Axi
         # Untypable under check_vma (see below): treat the state as replicated.
         per_worker_params = False
         mask = [False] * len(s_leaves)
-    stack = lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype)  # noqa: E731
+    # Inputs carry their shardings: meshes whose axes are Explicit (JAX >= 0.11's
+    # default) check every shard_map input's sharding against its in_spec.
+    sharded = jax.sharding.NamedSharding(mesh, spec)
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    stack = lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharded)  # noqa: E731
+    keep = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
     g_in = jax.tree.map(stack, p_abs)
-    s_in = [stack(x) if m else x for x, m in zip(s_leaves, mask)]
-    p_in = jax.tree.map(stack, p_abs) if per_worker_params else p_abs
+    s_in = [stack(x) if m else keep(x) for x, m in zip(s_leaves, mask)]
+    p_in = jax.tree.map(stack if per_worker_params else keep, p_abs)
 
     def body(g, s, p):
         g = comm.to_varying(jax.tree.map(lambda x: x[0], g), axis_name)
@@ -720,6 +735,22 @@ def _find_period(sigs: list[Any], max_period: int) -> tuple[int, int] | None:
     return None
 
 
+def _outside_user_mesh(fn: Any) -> Any:
+    """Runs ``fn`` with no context mesh, whatever the caller set with ``jax.set_mesh``.
+
+    The accounting traces on its own abstract mesh and evaluates small state leaves
+    eagerly; a caller's mesh (explicit or auto axes) must not leak into either.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@_outside_user_mesh
 def communication_cost(
     tx: optax.GradientTransformation,
     params: Any,
@@ -1052,6 +1083,14 @@ def _group_size(line: str) -> int:
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
     if m:
         return int(m.group(2))
+    # Mesh-axis groups (XLA with JAX >= 0.11): ``replica_groups=mesh['a'=2,'b'=4] {'b'}``
+    # groups the devices over the named axes, so a group holds the product of their sizes.
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if m:
+        sizes = dict(re.findall(r"'([^']*)'=(\d+)", m.group(1)))
+        axes = re.findall(r"'([^']*)'", m.group(2))
+        if axes and all(a in sizes for a in axes):
+            return math.prod(int(sizes[a]) for a in axes)
     return 0
 
 
