@@ -366,9 +366,18 @@ def _host(x: Any) -> Any:
     return x
 
 
+def _is_closed_jaxpr(j: Any) -> bool:
+    # By its fields: JAX 0.12's type stubs no longer export ``jax.extend.core.ClosedJaxpr``.
+    return isinstance(getattr(j, "jaxpr", None), jcore.Jaxpr) and hasattr(j, "consts")
+
+
+def _is_jaxpr(j: Any) -> bool:
+    return isinstance(j, jcore.Jaxpr) or _is_closed_jaxpr(j)
+
+
 def _as_jaxpr(j: Any) -> tuple[Any, list[Any]]:
     """(Jaxpr, consts) of a Jaxpr or ClosedJaxpr."""
-    if isinstance(j, jcore.ClosedJaxpr):
+    if _is_closed_jaxpr(j):
         return j.jaxpr, list(j.consts)
     return j, []
 
@@ -492,10 +501,8 @@ class _Walker:
                 found.extend(self._scan(eqn, ins, here))
             elif name == "while":
                 found.extend(self._while(eqn, ins, here))
-            elif any(isinstance(eqn.params.get(p), (jcore.Jaxpr, jcore.ClosedJaxpr)) for p in _CALL_PARAMS):
-                key = next(
-                    p for p in _CALL_PARAMS if isinstance(eqn.params.get(p), (jcore.Jaxpr, jcore.ClosedJaxpr))
-                )
+            elif any(_is_jaxpr(eqn.params.get(p)) for p in _CALL_PARAMS):
+                key = next(p for p in _CALL_PARAMS if _is_jaxpr(eqn.params.get(p)))
                 sub_jaxpr, sub_consts = _as_jaxpr(eqn.params[key])
                 if len(sub_jaxpr.invars) == len(ins) and len(sub_jaxpr.outvars) == len(eqn.outvars):
                     outs, sub = self.walk(sub_jaxpr, sub_consts, ins, here)
