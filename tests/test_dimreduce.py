@@ -305,10 +305,14 @@ def test_quadratic_with_curvature_in_the_subspace_converges_in_a_few_steps():
         updates, state = run(c, a_mat.astype(np.float32), state, params)
         params = optax.apply_updates(params, updates)
         losses.append(loss(params))
-    assert losses[-1] < 1e-8 * start, losses
+    # The transform works in float32: once the loss is a few 1e-7 of its start, rounding
+    # in the line search stops progress. Where that floor lies depends on the XLA build
+    # and CPU (measured 3.3e-7 of the start with JAX 0.10 and 7.6e-8 with JAX 0.12 on the
+    # same machine), so the bound sits above it rather than at one machine's figure.
+    assert losses[-1] < 1e-6 * start, losses
     # Gradient descent with the best fixed step (2 / (L + mu)) would only shrink
-    # the loss by ((kappa - 1) / (kappa + 1))^2 ~ 0.67 per step here.
-    assert losses[-1] < (((10 - 1) / (10 + 1)) ** 2) ** 12 * start * 1e-6
+    # the loss by ((kappa - 1) / (kappa + 1))^2 ~ 0.67 per step here: 8e-3 after 12.
+    assert losses[-1] < (((10 - 1) / (10 + 1)) ** 2) ** 12 * start * 1e-4
 
 
 def test_gradient_outside_the_subspace_is_momentum_sgd():
