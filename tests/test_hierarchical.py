@@ -75,6 +75,16 @@ def np_hierarchical_powersgd(grads_seq, *, rank, q0):
     return np_powersgd(group_means, rank=rank, q0=q0)
 
 
+def np_powersgd_step(mats, q):
+    """One warm-started PowerSGD step of one matrix over workers: (output, residuals, new Q)."""
+    n = len(mats)
+    q_in = np_orthogonalize(q[None])[0]
+    p_hat = np_orthogonalize((sum(m @ q_in for m in mats) / n)[None])[0]
+    q_new = sum(m.T @ p_hat for m in mats) / n
+    out = p_hat @ q_new.T
+    return out, [m - out for m in mats], q_new
+
+
 # ----------------------------------------------------------------------------
 # Running T steps on the grid.
 
@@ -246,7 +256,7 @@ def test_data_parallel_step_on_a_2d_mesh():
     for t in range(T):
         p, s, _ = step(p, s, {"x": x[t], "y": y[t]})
     # Reference: worker (h, l) holds rows 4 (L h + l) ..; mean over l, PowerSGD over h, sgd.
-    q = np.asarray(tx.init(params0)[0].slow.inner_state.q[0], np.float64)  # (1, 6, 2)
+    q = np.asarray(tx.init(params0)[0].slow.inner_state.q[0], np.float64)[0]  # (6, 2)
     w, b = params0["w"].astype(np.float64), params0["b"].astype(np.float64)
     residual = [np.zeros((12, 6)) for _ in range(H)]  # the dense bias keeps none
     for t in range(T):
@@ -260,13 +270,7 @@ def test_data_parallel_step_on_a_2d_mesh():
                 gw += 2 * xs.T @ err / len(xs)
                 gb += 2 * err.sum(0) / len(xs)
             means.append((gw / L, gb / L))
-        mats = [means[h][0] + residual[h] for h in range(H)]
-        q_in = np_orthogonalize(q)[0]
-        p_hat = np_orthogonalize((sum(m @ q_in for m in mats) / H)[None])[0]
-        q_new = sum(m.T @ p_hat for m in mats) / H
-        out_w = p_hat @ q_new.T
-        residual = [m - out_w for m in mats]
-        q = q_new[None]
+        out_w, residual, q = np_powersgd_step([means[h][0] + residual[h] for h in range(H)], q)
         w, b = w - lr * out_w, b - lr * sum(m[1] for m in means) / H
     got = jax.tree.map(np.asarray, p)
     np.testing.assert_allclose(got["w"], w, rtol=1e-4, atol=1e-5)
@@ -277,6 +281,159 @@ def test_data_parallel_step_on_a_2d_mesh():
     for x_ in jax.tree.leaves(p):
         shards = [np.asarray(sh.data) for sh in x_.addressable_shards]
         assert all(sh.tobytes() == shards[0].tobytes() for sh in shards)
+
+
+# ----------------------------------------------------------------------------
+# FSDP/ZeRO: parameters and optimizer state sharded over the fast axis.
+
+
+def device_bytes(tree):
+    """Bytes of the shards each device holds, by device."""
+    out: dict = {}
+    for x in jax.tree.leaves(tree):
+        for sh in x.addressable_shards:
+            out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
+    return out
+
+
+def fsdp_trainer(loss_fn, tx, params, batch, mesh):
+    """(init, step) for parameters sharded ``P("ici")`` (dim 0), batch split over both axes.
+
+    Each device keeps its own state for its shard: a state leaf varying over
+    the axes ``A`` (read off one traced update) is stacked over ``A`` and
+    placed ``P(A)``, so the state is sharded like the parameters, never
+    replicated over "ici". The forward pass all-gathers the parameters over
+    "ici"; autodiff turns that into a reduce-scatter of the gradient.
+    """
+    p_spec = jax.tree.map(lambda _: P("ici"), params)
+    b_spec = P(AXES)
+
+    def local_grads(p, batch):
+        def loss_of_shard(shard):
+            full = jax.tree.map(lambda x: jax.lax.all_gather(x, "ici", tiled=True), shard)
+            return loss_fn(full, batch)
+
+        return jax.grad(loss_of_shard)(jax.lax.pcast(p, "dcn", to="varying"))
+
+    kinds = {}
+
+    def trace_body(p, batch):
+        s = tx.init(p)
+        _, s2 = tx.update(local_grads(p, batch), s, p)
+        kinds["axes"] = [tuple(a for a in AXES if jd._src.comm.is_varying(x, a)) for x in jax.tree.leaves(s2)]
+        return jnp.zeros(())
+
+    sds = lambda tree, spec: jax.tree.map(  # noqa: E731
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)),
+        tree,
+    )
+    jax.eval_shape(
+        jax.shard_map(trace_body, mesh=mesh, in_specs=(p_spec, b_spec), out_specs=P(), check_vma=True),
+        sds(params, P("ici")),
+        sds(batch, b_spec),
+    )
+    s_def = jax.tree.structure(jax.eval_shape(tx.init, params))
+    s_spec = jax.tree.unflatten(s_def, [P(a if len(a) > 1 else a[0]) if a else P() for a in kinds["axes"]])
+    stacked = jax.tree.unflatten(s_def, [bool(a) for a in kinds["axes"]])
+    stack = lambda s: jax.tree.map(lambda x, m: x[None] if m else x, s, stacked)  # noqa: E731
+    unstack = lambda s: jax.tree.map(lambda x, m: x[0] if m else x, s, stacked)  # noqa: E731
+
+    init = jax.jit(
+        jax.shard_map(
+            lambda p: stack(tx.init(p)), mesh=mesh, in_specs=(p_spec,), out_specs=s_spec, check_vma=True
+        )
+    )
+
+    def body(p, s, batch):
+        u, s = tx.update(local_grads(p, batch), unstack(s), p)
+        return optax.apply_updates(p, u), stack(s)
+
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(p_spec, s_spec, b_spec), out_specs=(p_spec, s_spec), check_vma=True
+        )
+    )
+    return (lambda p: init(jax.device_put(p, jax.sharding.NamedSharding(mesh, P("ici"))))), step, s_spec
+
+
+@pytest.mark.parametrize("H,L", [(2, 2), (2, 4)])
+def test_fsdp_sharded_params_and_state_with_compression_over_the_slow_axis(H, L):
+    T, lr, rank = 3, 0.1, 2
+    mesh = _mesh(H, L)
+    rng = np.random.default_rng(11)
+    d_in, d_out, rows = 32, 16, 4 * H * L
+    x = rng.standard_normal((T, rows, d_in)).astype(np.float32)
+    y = rng.standard_normal((T, rows, d_out)).astype(np.float32)
+    params0 = {"w": np.zeros((d_in, d_out), np.float32), "b": np.zeros(d_in, np.float32)}
+
+    def loss(p, b):  # "b" is an input bias, so that it is sharded along dim 0 like "w"
+        return jnp.mean(jnp.sum(((b["x"] + p["b"][None]) @ p["w"] - b["y"]) ** 2, axis=-1))
+
+    tx = optax.chain(
+        hierarchical(None, powersgd(rank, axis_name="dcn"), axis_name=AXES, sharded=True),
+        jd.sgd(lr, momentum=0.9),
+    )
+    init, step, s_spec = fsdp_trainer(loss, tx, params0, {"x": x[0], "y": y[0]}, mesh)
+    p = jax.device_put(params0, jax.sharding.NamedSharding(mesh, P("ici")))
+    s = init(params0)
+    # Residuals differ on every device (a shard each), momentum and Q per "ici" shard.
+    assert s_spec[0].slow.residual == {"b": P(AXES), "w": P(AXES)}
+    assert s_spec[1][0].momentum == {"b": P("ici"), "w": P("ici")}
+    assert all(sp == P("ici") for sp in s_spec[0].slow.inner_state.q)
+    sharding = jax.sharding.NamedSharding(mesh, P(AXES))
+    for t in range(T):
+        p, s = step(p, s, jax.device_put({"x": x[t], "y": y[t]}, sharding))
+
+    # Reference: per "ici" shard r, mean over l of the local gradients' rows of shard r,
+    # then PowerSGD over h of that shard (its own Q), then momentum SGD on the full arrays.
+    k = d_in // L
+    w, bias = params0["w"].astype(np.float64), params0["b"].astype(np.float64)
+    q0 = [np.asarray(q) for q in jax.device_get(s_spec_q0(tx, params0, L))]
+    q = [q0[0][0] for _ in range(L)]
+    res = [[np.zeros((k, d_out)) for _ in range(L)] for _ in range(H)]
+    mom_w, mom_b = np.zeros_like(w), np.zeros_like(bias)
+    for t in range(T):
+        gw, gb = np.zeros((H, d_in, d_out)), np.zeros((H, d_in))
+        for h in range(H):
+            for r in range(L):
+                sl = slice(4 * (L * h + r), 4 * (L * h + r + 1))
+                xs, ys = x[t, sl].astype(np.float64), y[t, sl].astype(np.float64)
+                err = (xs + bias) @ w - ys
+                gw[h] += 2 * (xs + bias).T @ err / len(xs) / L
+                gb[h] += 2 * (err @ w.T).sum(0) / len(xs) / L
+        out_w = np.zeros_like(w)
+        for r in range(L):
+            rows_r = slice(k * r, k * (r + 1))
+            out_w[rows_r], res_r, q[r] = np_powersgd_step([gw[h][rows_r] + res[h][r] for h in range(H)], q[r])
+            for h in range(H):
+                res[h][r] = res_r[h]
+        out_b = gb.mean(0)
+        mom_w, mom_b = 0.9 * mom_w + out_w, 0.9 * mom_b + out_b
+        w, bias = w - lr * mom_w, bias - lr * mom_b
+    np.testing.assert_allclose(np.asarray(p["w"]), w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(p["b"]), bias, rtol=1e-4, atol=1e-5)
+    got_res = np.asarray(s[0].slow.residual["w"]).reshape(H, L, k, d_out)
+    for h in range(H):
+        for r in range(L):
+            np.testing.assert_allclose(got_res[h, r], res[h][r], rtol=1e-4, atol=1e-5)
+
+    # Per-device memory: parameters and state are sharded over "ici", not replicated.
+    full = optax.chain(hierarchical(None, powersgd(rank, axis_name="dcn"), axis_name=AXES), jd.sgd(lr, 0.9))
+    rep_p, rep_s = jd.data_parallel_step(loss, full, mesh=mesh, axis_name=AXES).init(params0)
+    p_bytes = 4 * (d_in * d_out + d_in)
+    assert set(device_bytes(p).values()) == {p_bytes // L}
+    assert set(device_bytes(rep_p).values()) == {p_bytes}
+    shaped = lambda st: (st[0].slow.residual, st[1][0].momentum)  # noqa: E731 - the param-sized leaves
+    assert set(device_bytes(shaped(s)).values()) == {2 * p_bytes // L}
+    assert set(device_bytes(shaped(rep_s)).values()) == {2 * p_bytes}
+    fsdp_total, rep_total = device_bytes(s), device_bytes(rep_s)
+    assert all(fsdp_total[d] < rep_total[d] / (L - 0.5) for d in fsdp_total)
+
+
+def s_spec_q0(tx, params, L):
+    """The initial Q of a shard (the same for every shard: drawn from the shared key)."""
+    shard = jax.tree.map(lambda x: np.zeros((x.shape[0] // L, *x.shape[1:]), x.dtype), params)
+    return tx.init(shard)[0].slow.inner_state.q
 
 
 # ----------------------------------------------------------------------------
