@@ -1,8 +1,8 @@
 """Two-level clusters: bytes on the slow link, step time against flat dense, FSDP memory per device.
 
 Network part (needs root, ``ip`` and ``tc``): two "hosts" are two network
-namespaces joined by a veth pair, each end shaped to ``--rate`` (default
-1 Gbit/s) with a token bucket (``tc qdisc ... tbf``). One process runs in
+namespaces joined by a veth pair, each end shaped to each of ``--rate``
+(default 1 Gbit/s, 100 Mbit/s and unshaped, switched round by round) with a token bucket (``tc qdisc ... tbf``). One process runs in
 each namespace with ``--local-devices`` CPU devices (default 2), on the mesh
 ``("dcn", "ici") = (2 processes, local devices)``: ``"dcn"`` is the process
 axis, whose traffic crosses the veth pair; ``"ici"`` stays inside a process.
@@ -22,7 +22,7 @@ bytes of parameters and optimizer state with the parameters replicated
 forward all-gathers them, autodiff reduce-scatters the gradients,
 ``hierarchical(..., sharded=True)`` compresses each shard over ``"dcn"``).
 
-    sudo python benchmarks/bench_hierarchical.py [--quick] [--rate 1gbit]
+    sudo python benchmarks/bench_hierarchical.py [--quick] [--rate 1gbit,100mbit,none]
 """
 
 from __future__ import annotations
@@ -121,7 +121,9 @@ def worker(args: argparse.Namespace) -> None:
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
     sizes = {"dcn": 2, "ici": args.local_devices}
-    runs, results = {}, {}
+    rates = args.rate.split(",")
+    runs: dict = {}
+    results: dict = {rate: {} for rate in rates}
     for name in METHODS:
         tx = build_tx(name, args.rank, 0.05)
         step = jd.data_parallel_step(loss_fn, tx, mesh=mesh, axis_name=AXES)
@@ -132,10 +134,13 @@ def worker(args: argparse.Namespace) -> None:
         runs[name] = [step, p, s]
         cost = jd.communication_cost(tx, params0, axis_size=sizes, axis_name=AXES)
         per_axis = {repr(k): v.sent_bytes for k, v in cost.by_axis().items()}
-        results[name] = {"seconds": [], "veth": [], "lo": [], "per_axis": per_axis, "steps": 0}
+        for rate in rates:
+            results[rate][name] = {"seconds": [], "veth": [], "lo": [], "per_axis": per_axis, "steps": 0}
     t = args.warmup
     for _ in range(args.rounds):
-        for name in METHODS:
+        for rate, name in [(rate, name) for rate in rates for name in METHODS]:
+            if name == METHODS[0]:
+                set_rate(veth, rate)  # each process shapes its own end (egress)
             step, p, s = runs[name]
             before, t0 = counters(veth, "lo"), time.perf_counter()
             for _ in range(args.steps):
@@ -144,7 +149,7 @@ def worker(args: argparse.Namespace) -> None:
             jax.block_until_ready((p, s, m))
             elapsed, after = time.perf_counter() - t0, counters(veth, "lo")
             runs[name][1:] = [p, s]
-            r = results[name]
+            r = results[rate][name]
             r["seconds"].append(elapsed / args.steps)
             r["veth"].append(sum(after[veth]) - sum(before[veth]))  # this end's rx + tx
             r["lo"].append(after["lo"][1] - before["lo"][1])
@@ -154,10 +159,11 @@ def worker(args: argparse.Namespace) -> None:
         p = runs[name][1]
         shards = [np.asarray(sh.data).tobytes() for x in jax.tree.leaves(p) for sh in x.addressable_shards]
         per_leaf = len(shards) // len(jax.tree.leaves(p))
-        results[name]["replicas_identical"] = all(
-            shards[i] == shards[i - i % per_leaf] for i in range(len(shards))
-        )
-        results[name]["param_digest"] = hashlib.sha256(b"".join(shards[::per_leaf])).hexdigest()
+        for rate in rates:
+            results[rate][name]["replicas_identical"] = all(
+                shards[i] == shards[i - i % per_leaf] for i in range(len(shards))
+            )
+            results[rate][name]["param_digest"] = hashlib.sha256(b"".join(shards[::per_leaf])).hexdigest()
     print("RESULT " + json.dumps({"process": args.process_id, "results": results}), flush=True)
     jax.distributed.shutdown()
 
@@ -170,6 +176,13 @@ def _sh(*cmd: str) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+def set_rate(dev: str, rate: str) -> None:
+    """Shapes this namespace's end of the link (``"none"``: no qdisc)."""
+    subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+    if rate != "none":
+        _sh("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "2mb", "latency", "2s")
+
+
 def setup_network(rate: str) -> None:
     teardown_network()
     a, b = NAMESPACES
@@ -180,23 +193,9 @@ def setup_network(rate: str) -> None:
         _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
         _sh("ip", "-n", ns, "link", "set", dev, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh(
-            "tc",
-            "-n",
-            ns,
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "2mb",
-            "latency",
-            "2s",
-        )
+        if rate != "none":
+            tbf = ("root", "tbf", "rate", rate, "burst", "2mb", "latency", "2s")
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf)
 
 
 def teardown_network() -> None:
@@ -208,7 +207,7 @@ def run_network(args: argparse.Namespace) -> dict | None:
     if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc") and shutil.which("unshare")):
         print("network part skipped: needs root, ip, tc and unshare (network namespaces)")
         return None
-    setup_network(args.rate)
+    setup_network(args.rate.split(",")[0])
     tmp = pathlib.Path(tempfile.mkdtemp())
     try:
         host = socket.gethostname()
@@ -253,11 +252,16 @@ def _median(xs: list[float]) -> float:
 
 
 def print_network(res: dict, args: argparse.Namespace) -> None:
-    a, b = res["a"], res["b"]
+    for rate in args.rate.split(","):
+        print_rate(res["a"][rate], res["b"][rate], rate, args)
+
+
+def print_rate(a: dict, b: dict, rate: str, args: argparse.Namespace) -> None:
     L = args.local_devices
     print(
-        f"\n2 processes x {L} CPU devices, mesh (dcn=2, ici={L}), veth shaped to {args.rate} "
-        f"(tbf), MLP {args.d_in}-{args.hidden}-10, {args.rounds} rounds x {args.steps} steps, interleaved\n"
+        f"\n2 processes x {L} CPU devices, mesh (dcn=2, ici={L}), veth "
+        + ("unshaped" if rate == "none" else f"shaped to {rate} (tbf)")
+        + f", MLP {args.d_in}-{args.hidden}-10, {args.rounds} rounds x {args.steps} steps, interleaved\n"
     )
     print("| method | bytes on the slow link per step | accounting: per worker over dcn | "
           "loopback (ici) per step | step time | vs flat dense |")  # fmt: skip
@@ -396,10 +400,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny run (smoke test)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--memory-only", action="store_true", help="only the FSDP memory part")
+    ap.add_argument("--network-only", action="store_true", help="only the network part")
     ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--local-devices", type=int, default=2)
-    ap.add_argument("--rate", default="1gbit", help="tc tbf rate of the slow link")
+    ap.add_argument(
+        "--rate",
+        default="1gbit,100mbit,none",
+        help="tc tbf rates of the slow link, comma-separated, interleaved round by round ('none': unshaped)",
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per method and round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
@@ -420,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     res = run_network(args)
     if res is not None:
         print_network(res, args)
+    if args.network_only:
+        return 0
     # The memory part in a process of its own (8 simulated devices).
     subprocess.run(
         [sys.executable, __file__, "--memory-only", "--rank", str(args.rank), "--d-in", str(args.d_in),
