@@ -190,6 +190,24 @@ def test_same_numbers_as_a_plain_chain():
     helpers.assert_trees_equal(got, want)
 
 
+def test_unknown_extra_args_and_no_recompilation():
+    tx = hierarchical(None, powersgd(2, axis_name="dcn"), axis_name=AXES)
+    grads = jnp.asarray(_grads_seq(1, 2, 2, shapes={"w": (12, 6)})["w"][0])
+    traces = []
+
+    def step(g, s):
+        traces.append(1)
+        return tx.update(g, s, None, some_unknown_extra=1.0)
+
+    fn = jax.jit(jax.vmap(jax.vmap(step, axis_name="ici"), axis_name="dcn"))
+    state = jax.vmap(jax.vmap(tx.init))(grads)
+    u1, state = fn(grads, state)
+    u2, state2 = fn(grads, state)
+    assert len(traces) == 1
+    helpers.assert_dtypes_equal(state, state2)
+    assert not np.array_equal(np.asarray(u1), np.asarray(u2))  # the residual feeds back
+
+
 def test_bf16_fast_stage_and_replicas_after_many_steps():
     # bf16 on the fast links, PowerSGD on the slow ones, momentum: 25 steps on a 2x4 mesh;
     # params are bit-identical on all 8 devices (out_specs=P() and each device's copy).
@@ -253,6 +271,10 @@ def test_data_parallel_step_on_a_2d_mesh():
     step = jd.data_parallel_step(loss, tx, mesh=mesh, axis_name=AXES)
     p, s = step.init(params0)
     assert _lead(s[0].slow.residual["w"].sharding.spec) == "dcn"
+    # The checkpoint restore target has the same layout.
+    _, abstract = step.abstract_init(params0)
+    res = abstract[0].slow.residual["w"]
+    assert res.shape == (H, 12, 6) and _lead(res.sharding.spec) == "dcn"
     for t in range(T):
         p, s, _ = step(p, s, {"x": x[t], "y": y[t]})
     # Reference: worker (h, l) holds rows 4 (L h + l) ..; mean over l, PowerSGD over h, sgd.
