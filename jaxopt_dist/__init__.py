@@ -22,6 +22,7 @@ from jaxopt_dist._src.comm import UnboundAxisError
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
+from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
 from jaxopt_dist._src.optimizers import (
     ScaleByAdagradState,
     ScaleByAdamState,
@@ -80,6 +81,7 @@ __all__ = (
     "DynamicLossScaleState",
     "ErrorFeedbackState",
     "GossipState",
+    "HierarchicalState",
     "IterateAverageState",
     "MasterWeightsState",
     "Placement",
@@ -111,6 +113,7 @@ __all__ = (
     "fit_subspace",
     "flatten_params",
     "gossip",
+    "hierarchical",
     "hlo_collectives",
     "init_opt_state",
     "iterate_average",

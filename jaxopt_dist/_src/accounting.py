@@ -292,6 +292,26 @@ class CommunicationCost:
                 out[kind] = KindCost(calls / m, payload / m, sent / m, sent / m)
         return out
 
+    def by_axis(self) -> dict[Any, KindCost]:
+        """Per-step averages over ``period``, per group of mesh axes a collective spans.
+
+        The key is the axis name for a collective over one axis (``"ici"``,
+        ``"dcn"``), the tuple of names for one over several at once (a flat
+        all-reduce over ``("dcn", "ici")``). On a two-level cluster the
+        bytes keyed by the slow axis (or by a tuple containing it) are the
+        ones that cross the slow links.
+        """
+        steps = self._averaged()
+        m = max(len(steps), 1)
+        sums: dict[Any, list[float]] = {}
+        for s in steps:
+            for c in s.collectives:
+                acc = sums.setdefault(_axis_key(c.axes), [0.0, 0.0, 0.0])
+                acc[0] += c.multiplier
+                acc[1] += c.payload_bytes * c.multiplier
+                acc[2] += c.sent_bytes()
+        return {k: KindCost(v[0] / m, v[1] / m, v[2] / m, v[2] / m) for k, v in sums.items()}
+
     def table(self) -> str:
         """A plain-text table of the per-step averages."""
         lines = [
@@ -312,6 +332,12 @@ class CommunicationCost:
             f"  dense all-reduce baseline: {_fmt_bytes(self.dense_bytes)} sent; "
             f"compression ratio {self.compression_ratio:.4g}x"
         )
+        per_axis = self.by_axis()
+        if len(per_axis) > 1:
+            lines.extend(
+                f"  over {key!r}: {c.calls:.3g} calls, {_fmt_bytes(c.sent_bytes)} sent"
+                for key, c in per_axis.items()
+            )
         if self.step_dependent:
             lines.append(
                 f"  varies with the step: worst evaluated step sends {_fmt_bytes(self.worst_sent_bytes)}"
@@ -321,6 +347,10 @@ class CommunicationCost:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _axis_key(axes: tuple[Any, ...]) -> Any:
+    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def _fmt_bytes(b: float) -> str:
@@ -659,10 +689,12 @@ def _trace_on(
                 tx, p_abs, mesh=mesh, axis_name=axis_name, per_worker_params=True
             )
         mask = s_def.flatten_up_to(placement.per_worker)
+        leaf_specs = s_def.flatten_up_to(parallel._leaf_specs(placement, axis_name))
     except Exception:
         # Untypable under check_vma (see below): treat the state as replicated.
         per_worker_params = False
         mask = [False] * len(s_leaves)
+        leaf_specs = [P()] * len(s_leaves)
     # Inputs carry their shardings: meshes whose axes are Explicit (JAX >= 0.11's
     # default) check every shard_map input's sharding against its in_spec.
     sharded = jax.sharding.NamedSharding(mesh, spec)
@@ -670,7 +702,16 @@ def _trace_on(
     stack = lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharded)  # noqa: E731
     keep = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)  # noqa: E731
     g_in = jax.tree.map(stack, p_abs)
-    s_in = [stack(x) if m else keep(x) for x, m in zip(s_leaves, mask)]
+    # Per-worker leaves are stacked over the axes they vary over (P("dcn") for a
+    # residual kept once per slow group on a 2-D mesh).
+    s_in = [
+        jax.ShapeDtypeStruct(
+            (parallel._spec_size(mesh, sp), *x.shape), x.dtype, sharding=jax.sharding.NamedSharding(mesh, sp)
+        )
+        if m
+        else keep(x)
+        for x, m, sp in zip(s_leaves, mask, leaf_specs)
+    ]
     p_in = jax.tree.map(stack if per_worker_params else keep, p_abs)
 
     def body(g, s, p):
@@ -681,7 +722,7 @@ def _trace_on(
         _, s2 = tx.update(g, s, p, **parallel._dummy_extras(p, axis_name))
         return [x[None] if m else x for x, m in zip(s_def.flatten_up_to(s2), mask)]
 
-    s_spec = [spec if m else P() for m in mask]
+    s_spec = [sp if m else P() for m, sp in zip(mask, leaf_specs)]
     p_spec = jax.tree.map(lambda _: spec if per_worker_params else P(), p_abs)
 
     def trace(check_vma: bool):
@@ -907,6 +948,8 @@ class StepTime(float):
       dense_seconds: one ring all-reduce of the parameters.
       by_kind: seconds per step for each collective kind.
       workers: the worker count projected for.
+      by_axis: seconds per step for each group of mesh axes (keys as in
+        :meth:`CommunicationCost.by_axis`).
     """
 
     latency_seconds: float
@@ -914,6 +957,7 @@ class StepTime(float):
     dense_seconds: float
     by_kind: Mapping[str, float]
     workers: int
+    by_axis: Mapping[Any, float]
 
     def __new__(
         cls,
@@ -924,6 +968,7 @@ class StepTime(float):
         dense_seconds: float,
         by_kind: Mapping[str, float],
         workers: int,
+        by_axis: Mapping[Any, float] | None = None,
     ) -> StepTime:
         obj = super().__new__(cls, seconds)
         obj.latency_seconds = float(latency_seconds)
@@ -931,6 +976,7 @@ class StepTime(float):
         obj.dense_seconds = float(dense_seconds)
         obj.by_kind = dict(by_kind)
         obj.workers = int(workers)
+        obj.by_axis = dict(by_axis or {})
         return obj
 
     @property
@@ -946,6 +992,8 @@ class StepTime(float):
         lines = [f"projected communication per step, {self.workers} workers:"]
         for kind, s in self.by_kind.items():
             lines.append(f"  {kind:<15}{s * 1e3:>12.4g} ms")
+        if len(self.by_axis) > 1:
+            lines.extend(f"  over {key!r}: {s * 1e3:.4g} ms" for key, s in self.by_axis.items())
         lines.append(
             f"  {'total':<15}{self.seconds * 1e3:>12.4g} ms  (latency {self.latency_seconds * 1e3:.4g} ms, "
             f"bandwidth {self.bandwidth_seconds * 1e3:.4g} ms)"
@@ -964,12 +1012,28 @@ class StepTime(float):
         return self.table()
 
 
+def _per_axis(value: Any, name: str, axes: Sequence[Any], *, lower_open: bool) -> dict[Any, float]:
+    """A number for every axis: ``value`` itself, or its entries if it is a mapping."""
+    if isinstance(value, Mapping):
+        missing = [a for a in axes if a not in value]
+        if missing:
+            raise ValueError(
+                f"`{name}` gives no value for the mesh axes {missing!r}; it needs one for each of "
+                f"{tuple(axes)!r}, e.g. {{{', '.join(f'{a!r}: ...' for a in axes)}}}."
+            )
+        for a in axes:
+            base.check_hyperparameter(value[a], f"{name}[{a!r}]", lower=0.0, lower_open=lower_open)
+        return {a: float(value[a]) for a in axes}
+    base.check_hyperparameter(value, name, lower=0.0, lower_open=lower_open)
+    return {a: float(value) for a in axes}
+
+
 def project_step_time(
     cost: CommunicationCost,
     *,
     workers: int | None = None,
-    bandwidth_gbps: float,
-    latency_us: float,
+    bandwidth_gbps: float | Mapping[Hashable, float],
+    latency_us: float | Mapping[Hashable, float],
 ) -> StepTime:
     r"""Communication time per step under the alpha-beta model.
 
@@ -988,8 +1052,15 @@ def project_step_time(
         workers``; payloads stay those traced at ``cost.axis_size``, which
         is exact for transforms whose message size does not depend on the
         worker count (all in this library but ``num_partitions`` patterns).
-      bandwidth_gbps: per-link bandwidth :math:`\beta` in gigabits per second.
-      latency_us: per-message latency :math:`\alpha` in microseconds.
+      bandwidth_gbps: per-link bandwidth :math:`\beta` in gigabits per
+        second, or a mapping from each mesh axis to its links' bandwidth,
+        e.g. ``{"ici": 100, "dcn": 1}`` for a two-level cluster. A
+        collective over several axes at once (a flat all-reduce over
+        ``("dcn", "ici")``) runs at the slowest of them, and so does the
+        dense baseline ``dense_seconds``.
+      latency_us: per-message latency :math:`\alpha` in microseconds, or a
+        mapping per mesh axis (a collective over several axes takes the
+        largest).
 
     Returns:
       A :class:`StepTime`: the seconds per step as a float, with
@@ -999,23 +1070,33 @@ def project_step_time(
     if not isinstance(cost, CommunicationCost):
         raise TypeError(f"`cost` must be a CommunicationCost; got {type(cost).__name__}.")
     workers = cost.axis_size if workers is None else base.check_positive_int(workers, "workers")
-    base.check_hyperparameter(bandwidth_gbps, "bandwidth_gbps", lower=0.0, lower_open=True)
-    base.check_hyperparameter(latency_us, "latency_us", lower=0.0)
-    beta = float(bandwidth_gbps) * 1e9 / 8.0  # bytes per second
-    alpha = float(latency_us) * 1e-6
+    axes = list(cost.axis_sizes)
+    gbps = _per_axis(bandwidth_gbps, "bandwidth_gbps", axes, lower_open=True)
+    us = _per_axis(latency_us, "latency_us", axes, lower_open=False)
+
+    def link(group: Sequence[Any]) -> tuple[float, float]:
+        """(alpha seconds, beta bytes per second) of a collective over ``group``: the slowest link."""
+        group = list(group) or axes
+        return max(us[a] for a in group) * 1e-6, min(gbps[a] for a in group) * 1e9 / 8.0
+
     steps = cost._averaged()
     by_kind: dict[str, float] = {}
+    by_axis: dict[Any, float] = {}
     lat = bw = 0.0
     for s in steps:
         for c in s.collectives:
             k = workers if c.group_size == cost.axis_size else c.group_size
+            alpha, beta = link(c.axes)
             wire = c.sent_bytes(k)
             rounds = c.rounds(k)
             lat += rounds * alpha
             bw += wire / beta
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + rounds * alpha + wire / beta
+            key = _axis_key(c.axes)
+            by_axis[key] = by_axis.get(key, 0.0) + rounds * alpha + wire / beta
     m = max(len(steps), 1)
     factor, rounds = _factors("all_reduce", workers)
+    alpha, beta = link(axes)
     dense = rounds * alpha + factor * cost.params_bytes / beta
     return StepTime(
         (lat + bw) / m,
@@ -1024,6 +1105,7 @@ def project_step_time(
         dense_seconds=dense,
         by_kind={k: v / m for k, v in by_kind.items()},
         workers=workers,
+        by_axis={k: v / m for k, v in by_axis.items()},
     )
 
 

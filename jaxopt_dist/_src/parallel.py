@@ -85,10 +85,44 @@ class Placement:
         differ between workers (stored stacked, leading axis = worker).
       updates_per_worker: whether the transform's output updates differ
         between workers (then parameters must be per-worker).
+      specs: pytree of PartitionSpecs like the state: ``P()`` for replicated
+        leaves, else the data axes the leaf varies over. On a 2-D mesh with
+        ``axis_name=("dcn", "ici")`` a residual kept once per ``"dcn"`` group
+        (the same on every ``"ici"`` worker) is ``P("dcn")``, stacked over
+        the ``"dcn"`` axis only; a leaf that differs on every device is
+        ``P(("dcn", "ici"))``. None: every per-worker leaf spans all of
+        ``axis_name``.
     """
 
     per_worker: Any
     updates_per_worker: bool
+    specs: Any = None
+
+
+def _axes_spec(axes: tuple[Any, ...]) -> P:
+    """The PartitionSpec of a leaf stacked over ``axes`` (``P()`` when empty)."""
+    if not axes:
+        return P()
+    return P(axes[0] if len(axes) == 1 else axes)
+
+
+def _spec_axes(spec: P) -> tuple[Any, ...]:
+    """The axes of a leading-axis spec made by :func:`_axes_spec`."""
+    if len(spec) == 0 or spec[0] is None:
+        return ()
+    return _names(spec[0])
+
+
+def _spec_size(mesh: Any, spec: P) -> int:
+    return math.prod(mesh.shape[a] for a in _spec_axes(spec))
+
+
+def _leaf_specs(placement: Placement, axis_name: base.AxisName) -> Any:
+    """``placement.specs``, or the specs its bools imply (all of ``axis_name``)."""
+    if placement.specs is not None:
+        return placement.specs
+    spec = _spec(axis_name)
+    return jax.tree.map(lambda m: spec if m else P(), placement.per_worker)
 
 
 def _trace_placement(
@@ -101,18 +135,21 @@ def _trace_placement(
 ) -> Placement:
     """A consistent invariant/varying typing of the state through one update.
 
-    First the least fixed point from "everything replicated": trace, mark the
-    state leaves that come out varying, repeat. That fails when a ``lax.cond``
-    returns a state leaf assumed replicated in one branch and a per-worker
-    value in the other (``optax.MultiSteps`` accumulating gradients,
-    finite-checks that skip a compressor's step): JAX rejects the mismatched
-    branches before telling which leaf it was. Then the search goes the other
-    way: from "everything per-worker" (always consistent), groups of leaves
-    are flipped to replicated, bisecting on failure, keeping every flip after
+    Each state leaf is typed by the set of data axes it varies over (for one
+    axis: varying or not). First the least fixed point from "everything
+    replicated": trace, add the axes each state leaf comes out varying over,
+    repeat. That fails when a ``lax.cond`` returns a state leaf assumed
+    replicated in one branch and a per-worker value in the other
+    (``optax.MultiSteps`` accumulating gradients, finite-checks that skip a
+    compressor's step): JAX rejects the mismatched branches before telling
+    which leaf it was. Then the search goes the other way: from "everything
+    per-worker over every axis" (always consistent), groups of leaves are
+    flipped to replicated, bisecting on failure, keeping every flip after
     which the trace still type-checks and the flipped leaves come out
     replicated.
     """
     n = _mesh_axis_size(mesh, axis_name)
+    names = _names(axis_name)
     spec = _spec(axis_name)
     sharded = jax.sharding.NamedSharding(mesh, spec)
     replicated = jax.sharding.NamedSharding(mesh, P())
@@ -120,10 +157,11 @@ def _trace_placement(
     s_local = jax.eval_shape(tx.init, p_local)
     s_leaves, s_def = jax.tree.flatten(s_local)
     num = len(s_leaves)
+    every: tuple[Any, ...] = tuple(names)
 
-    def trace(varying: list[bool]) -> tuple[list[bool], bool]:
+    def trace(varying: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], bool]:
         record: dict[str, Any] = {}
-        mask = jax.tree.unflatten(s_def, varying)
+        mask = jax.tree.unflatten(s_def, [bool(v) for v in varying])
 
         def body(p, s, g):
             if per_worker_params:
@@ -133,24 +171,27 @@ def _trace_placement(
             extras = _dummy_extras(p, axis_name)
             u, s2 = tx.update(g, s, p, **extras)
             record["u"] = any(comm.is_varying(x, axis_name) for x in jax.tree.leaves(u))
-            record["s"] = [comm.is_varying(x, axis_name) for x in jax.tree.leaves(s2)]
+            record["s"] = [tuple(a for a in names if comm.is_varying(x, a)) for x in jax.tree.leaves(s2)]
             return jnp.zeros((1,), jnp.float32)
 
         in_p = (
             _stack_abstract(p_local, n, sharded) if per_worker_params else _with_sharding(p_local, replicated)
         )
-        in_s = jax.tree.map(
-            lambda x, m: (
-                jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharded)
-                if m
-                else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
-            ),
-            s_local,
-            mask,
+        specs = [_axes_spec(v) for v in varying]
+        in_s = jax.tree.unflatten(
+            s_def,
+            [
+                jax.ShapeDtypeStruct(
+                    (_spec_size(mesh, sp), *x.shape) if v else x.shape,
+                    x.dtype,
+                    sharding=jax.sharding.NamedSharding(mesh, sp),
+                )
+                for x, v, sp in zip(s_leaves, varying, specs)
+            ],
         )
         in_g = _stack_abstract(p_local, n, sharded)
         p_spec = jax.tree.map(lambda _: spec if per_worker_params else P(), p_local)
-        s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
+        s_spec = jax.tree.unflatten(s_def, specs)
         fn = jax.shard_map(
             body,
             mesh=mesh,
@@ -162,44 +203,51 @@ def _trace_placement(
         return record["s"], record["u"]
 
     def done(varying, updates_varying):
-        return Placement(per_worker=jax.tree.unflatten(s_def, varying), updates_per_worker=updates_varying)
+        return Placement(
+            per_worker=jax.tree.unflatten(s_def, [bool(v) for v in varying]),
+            updates_per_worker=updates_varying,
+            specs=jax.tree.unflatten(s_def, [_axes_spec(v) for v in varying]),
+        )
+
+    def union(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(x for x in names if x in a or x in b)
 
     # 1. Least fixed point from "all replicated".
-    varying = [False] * num
+    varying: list[tuple[Any, ...]] = [()] * num
     try:
-        for _ in range(num + 2):
+        for _ in range(num * len(names) + 2):
             out, updates_varying = trace(varying)
-            new = [a or b for a, b in zip(varying, out)]
+            new = [union(a, b) for a, b in zip(varying, out)]
             if new == varying:
                 return done(varying, updates_varying)
             varying = new
     except Exception as e:  # noqa: BLE001 - JAX's cond/scan type errors have no common class
         first_error = e
-    else:  # pragma: no cover - the loop above always converges within num + 1 rounds
+    else:  # pragma: no cover - the loop above always converges
         return done(varying, updates_varying)
 
     # 2. Refine down from "all per-worker".
-    varying = [True] * num
+    varying = [every] * num
     try:
         out, updates_varying = trace(varying)
     except Exception:
         raise first_error from None
 
-    def consistent(cand: list[bool]) -> tuple[list[bool], bool] | None:
+    def consistent(cand: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], bool] | None:
         try:
             out, upd = trace(cand)
         except Exception:  # noqa: BLE001
             return None
-        if any(o and not c for o, c in zip(out, cand)):
-            return None  # a leaf assumed replicated came out per-worker
+        if any(set(o) - set(c) for o, c in zip(out, cand)):
+            return None  # a leaf came out varying over an axis assumed replicated
         return out, upd
 
-    def refine(varying: list[bool], idxs: list[int]) -> list[bool]:
+    def refine(varying: list[tuple[Any, ...]], idxs: list[int]) -> list[tuple[Any, ...]]:
         nonlocal updates_varying
         idxs = [i for i in idxs if varying[i]]
         if not idxs:
             return varying
-        cand = [v and i not in idxs for i, v in enumerate(varying)]
+        cand = [() if i in idxs else v for i, v in enumerate(varying)]
         res = consistent(cand)
         if res is not None:
             updates_varying = res[1]
@@ -261,13 +309,15 @@ def opt_state_specs(
 
     Use them as ``in_specs``/``out_specs`` of your own ``jax.shard_map``:
     per-worker leaves are ``P(axis_name)`` with a leading worker axis (take
-    ``x[0]`` inside the map), replicated ones ``P()``.
+    ``x[0]`` inside the map), replicated ones ``P()``. With a tuple
+    ``axis_name``, a leaf that varies over some of its axes only is stacked
+    over those (e.g. ``P("dcn")`` for a residual kept once per ``"dcn"``
+    group by :func:`jaxopt_dist.hierarchical`).
     """
     placement = opt_state_placement(
         tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
     )
-    spec = _spec(axis_name)
-    return jax.tree.map(lambda m: spec if m else P(), placement.per_worker)
+    return _leaf_specs(placement, axis_name)
 
 
 def _is_global(x: Any) -> bool:
@@ -301,6 +351,17 @@ def _place(tree: Any, mask: Any, *, mesh: jax.sharding.Mesh, axis_name: base.Axi
         return jax.device_put(x, replicated)
 
     return jax.tree.map(put, tree, mask)
+
+
+def _place_specs(tree: Any, specs: Any, *, mesh: jax.sharding.Mesh) -> Any:
+    """Places each leaf by its spec: ``P()`` replicated, else stacked over the spec's axes."""
+
+    def put(x, sp):
+        if not _spec_axes(sp):
+            return jax.device_put(x, jax.sharding.NamedSharding(mesh, P()))
+        return _stacked(x, _spec_size(mesh, sp), jax.sharding.NamedSharding(mesh, sp))
+
+    return jax.tree.map(put, tree, specs)
 
 
 def _global_batch(batch: Any, shardings: Any) -> Any:
@@ -368,7 +429,7 @@ def init_opt_state(
         tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
     )
     state = tx.init(params)
-    return _place(state, placement.per_worker, mesh=mesh, axis_name=axis_name)
+    return _place_specs(state, _leaf_specs(placement, axis_name), mesh=mesh)
 
 
 @dataclasses.dataclass
@@ -427,7 +488,7 @@ class DataParallelStep:
           stacked per worker when ``per_worker_params``.
         """
         placement = self.placement(params)
-        state = _place(self.tx.init(params), placement.per_worker, mesh=self.mesh, axis_name=self.axis_name)
+        state = _place_specs(self.tx.init(params), _leaf_specs(placement, self.axis_name), mesh=self.mesh)
         placed = place_params(
             params, mesh=self.mesh, axis_name=self.axis_name, per_worker=self.per_worker_params
         )
@@ -449,11 +510,14 @@ class DataParallelStep:
         def placed(x, per_worker):
             return _stack_abstract(x, n, sharded) if per_worker else _with_sharding(x, replicated)
 
+        def placed_spec(x, sp):
+            if not _spec_axes(sp):
+                return _with_sharding(x, replicated)
+            return _stack_abstract(x, _spec_size(self.mesh, sp), jax.sharding.NamedSharding(self.mesh, sp))
+
         state = jax.eval_shape(self.tx.init, local)
-        return (
-            placed(local, self.per_worker_params),
-            jax.tree.map(placed, state, self.placement(local).per_worker),
-        )
+        specs = _leaf_specs(self.placement(local), self.axis_name)
+        return placed(local, self.per_worker_params), jax.tree.map(placed_spec, state, specs)
 
     def _local_params(self, params: Any) -> Any:
         if self.per_worker_params:
@@ -466,7 +530,7 @@ class DataParallelStep:
         axis_name = self.axis_name
         spec = _spec(axis_name)
         p_spec = jax.tree.map(lambda _: spec if self.per_worker_params else P(), params)
-        s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
+        s_spec = _leaf_specs(placement, axis_name)
         b_spec = jax.tree.map(lambda _: spec, batch)
         loss_fn, tx, has_aux, per_worker = self.loss_fn, self.tx, self.has_aux, self.per_worker_params
         loss_scale = self.loss_scale
