@@ -19,9 +19,11 @@ from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_p
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
+from jaxopt_dist._src.lowbit import float_grid, low_bit
 from jaxopt_dist._src.optimizers import (
     ScaleByAdagradState,
     ScaleByAdamState,
@@ -75,6 +77,7 @@ __all__ = (
     "CommunicationCost",
     "Compressor",
     "DataParallelStep",
+    "DiLoCoState",
     "DimReduceInfo",
     "DimReduceState",
     "DynamicLossScaleState",
@@ -105,16 +108,20 @@ __all__ = (
     "communication_cost",
     "compressed_leaves",
     "data_parallel_step",
+    "diloco",
+    "diloco_fragments",
     "dim_reduce",
     "dynamic_loss_scale",
     "error_feedback",
     "fit_subspace",
     "flatten_params",
+    "float_grid",
     "gossip",
     "hlo_collectives",
     "init_opt_state",
     "iterate_average",
     "loss_scale",
+    "low_bit",
     "master_weights",
     "mixing_matrix",
     "opt_state_placement",
