@@ -66,7 +66,9 @@ def _anchor(params, state):
 
 
 METHODS = {
-    "dense AdamW": dict(make=lambda total: optax.chain(jd.all_reduce(), _adamw(total)), per_worker_params=False),
+    "dense AdamW": dict(
+        make=lambda total: optax.chain(jd.all_reduce(), _adamw(total)), per_worker_params=False
+    ),
     "DiLoCo H=50": dict(
         make=lambda total: jd.diloco(_adamw(total), sync_every=50), per_worker_params=True, eval=_anchor
     ),
@@ -143,7 +145,7 @@ def _batches(x, y, steps: int, seed: int):
     return jnp.asarray(x[idx]), jnp.asarray(y[idx])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trainer(name: str, model: str, steps: int):
     method = {**METHODS}[name]
     init, logits = MODELS[model]
@@ -214,7 +216,15 @@ def main() -> None:
         print(f"### {model} ({n_params:,} parameters)\n")
         print(
             _common.markdown_header(
-                ["method", "test acc", "bytes/step", "peak bytes/step", "ratio", "dense @ equal bytes", "gap"],
+                [
+                    "method",
+                    "test acc",
+                    "bytes/step",
+                    "peak bytes/step",
+                    "ratio",
+                    "dense @ equal bytes",
+                    "gap",
+                ],
                 "lrrrrrr",
             )
         )

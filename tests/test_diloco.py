@@ -86,7 +86,9 @@ def _check(params_stacked, state, want_x, want_anchor, n):
         got = {k: np.asarray(v)[i] for k, v in params_stacked.items()}
         helpers.assert_trees_close(got, want_x[i], rtol=1e-5, atol=1e-5)
     helpers.assert_replicas_equal(state.anchor)
-    helpers.assert_trees_close({k: np.asarray(v)[0] for k, v in state.anchor.items()}, want_anchor, rtol=1e-5, atol=1e-5)
+    helpers.assert_trees_close(
+        {k: np.asarray(v)[0] for k, v in state.anchor.items()}, want_anchor, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("backend", helpers.BACKENDS)
@@ -173,7 +175,10 @@ def test_low_bit_aggregate_composes():
     groups = jd.diloco_fragments(params, F)
     names = list(SHAPES)
     grid = jd.float_grid(3, 0)
-    residual = {f: [np.zeros(sum(int(np.prod(SHAPES[names[i]])) for i in g), np.float32)] * n for f, g in enumerate(groups)}
+    residual = {
+        f: [np.zeros(sum(int(np.prod(SHAPES[names[i]])) for i in g), np.float32)] * n
+        for f, g in enumerate(groups)
+    }
 
     def aggregate(deltas, f):
         keys = [names[i] for i in groups[f]]
@@ -222,7 +227,9 @@ def test_communication_cost_per_period_and_peak():
     sends = [s.step % 8 for s in delayed.steps if s.sent_bytes > 0]
     assert sorted(set(sends)) == [0, 4]  # taken tau = 3 steps before the applications at 3 and 7
     quant = jd.communication_cost(
-        jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, aggregate=jd.low_bit()), params, axis_size=8
+        jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, aggregate=jd.low_bit()),
+        params,
+        axis_size=8,
     )
     assert 7 * 8 < quant.compression_ratio < 8 * 8
 
@@ -234,7 +241,11 @@ def test_data_parallel_step_and_bit_exact_resume(tmp_path):
 
     def make():
         tx = jd.diloco(
-            optax.adamw(1e-2), sync_every=4, num_fragments=2, sync_delay=1, mixing=0.25,
+            optax.adamw(1e-2),
+            sync_every=4,
+            num_fragments=2,
+            sync_delay=1,
+            mixing=0.25,
             aggregate=jd.low_bit(block_size=8),
         )
         return jd.data_parallel_step(tc._loss, tx, mesh=mesh, per_worker_params=True)

@@ -37,7 +37,10 @@ def np_low_bit(xs: list[np.ndarray], grid: np.ndarray, block: int) -> tuple[np.n
     n, total = len(xs), xs[0].size
     chunk = max(8, math.ceil(math.ceil(total / n) / 8) * 8)
     padded = [np.pad(x, (0, n * chunk - total)) for x in xs]
-    sent = [np.concatenate([np_quantize(p[j * chunk : (j + 1) * chunk], grid, block) for j in range(n)]) for p in padded]
+    sent = [
+        np.concatenate([np_quantize(p[j * chunk : (j + 1) * chunk], grid, block) for j in range(n)])
+        for p in padded
+    ]
     out = np.zeros(n * chunk, np.float32)
     for j in range(n):
         acc = np.zeros(chunk, np.float32)
@@ -110,7 +113,9 @@ def test_replicated_after_many_steps_under_shard_map():
     rng = np.random.default_rng(0)
     grads = {"w": rng.standard_normal((6, 4, 33)).astype(np.float32)}
     # out_specs=P() in run_steps proves the updates and params replicated.
-    _, params, _ = helpers.run_steps(jd.low_bit(), grads, {"w": np.zeros(33, np.float32)}, backend="shard_map")
+    _, params, _ = helpers.run_steps(
+        jd.low_bit(), grads, {"w": np.zeros(33, np.float32)}, backend="shard_map"
+    )
     assert np.all(np.isfinite(np.asarray(params["w"])))
 
 

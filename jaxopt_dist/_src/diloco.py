@@ -248,9 +248,7 @@ def diloco(
     """
     axis_name = base.validate_axis_name(axis_name)
     inner = _check_transform(inner, "inner")
-    outer = _check_transform(
-        optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer, "outer"
-    )
+    outer = _check_transform(optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer, "outer")
     aggregate = _mean_aggregate(axis_name) if aggregate is None else _check_transform(aggregate, "aggregate")
     sync_every = base.check_positive_int(sync_every, "sync_every")
     num_fragments = base.check_positive_int(num_fragments, "num_fragments")
@@ -283,9 +281,7 @@ def diloco(
             inner_state=inner.init(params),
             outer_states=tuple(outer.init(p) for p in pieces),
             aggregate_states=tuple(aggregate.init(p) for p in pieces),
-            pending=tuple(
-                [jnp.zeros_like(x) for x in p] if sync_delay else () for p in pieces
-            ),
+            pending=tuple([jnp.zeros_like(x) for x in p] if sync_delay else () for p in pieces),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -314,13 +310,14 @@ def diloco(
             mean, new_agg = aggregate.update(pseudo, agg_s[f], _take(a, groups[f]))
             agg_s = list(agg_s)
             agg_s[f] = optax.tree.cast_like(new_agg, state.aggregate_states[f])
-            return [m.astype(p.dtype) for m, p in zip(mean, pseudo)], tuple(agg_s)
+            return [m.astype(p.dtype) for m, p in zip(jax.tree.leaves(mean), pseudo)], tuple(agg_s)
 
         def land(f, delta, x, a, outer_s):
             anchor_f = _take(a, groups[f])
             step, new_outer = outer.update(delta, outer_s[f], anchor_f)
             outer_s = list(outer_s)
             outer_s[f] = optax.tree.cast_like(new_outer, state.outer_states[f])
+            step = jax.tree.leaves(step)
             x, a = list(x), list(a)
             for j, i in enumerate(groups[f]):
                 a[i] = (anchor_f[j] + step[j]).astype(anchor_f[j].dtype)

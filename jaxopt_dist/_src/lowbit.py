@@ -95,7 +95,9 @@ def _encode(x: jax.Array, grid: np.ndarray, bits: int, block_size: int, blocks: 
     return jnp.concatenate([packed, scale_bytes], axis=1)
 
 
-def _decode(msg: jax.Array, grid: np.ndarray, bits: int, chunk: int, block_size: int, blocks: int) -> jax.Array:
+def _decode(
+    msg: jax.Array, grid: np.ndarray, bits: int, chunk: int, block_size: int, blocks: int
+) -> jax.Array:
     """Inverse of :func:`_encode`: uint8 messages ``(rows, bytes)`` -> float32 ``(rows, chunk)``."""
     rows = msg.shape[0]
     per_byte = 8 // bits
