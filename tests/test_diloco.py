@@ -310,3 +310,54 @@ def test_mixing_schedule_and_jit_contract():
     want_x, want_anchor = np_diloco(grads, params, H=H, alpha=0.5)
     _check(p, state, want_x, want_anchor, n)
     helpers.assert_dtypes_equal(state, jax.vmap(tx.init)(jax.tree.map(lambda x: jnp.stack([x] * n), params)))
+
+
+CONTRACT = {
+    "diloco": lambda: jd.diloco(optax.adamw(1e-2), sync_every=2),
+    "streaming": lambda: jd.diloco(
+        optax.sgd(0.1), sync_every=4, num_fragments=2, sync_delay=1, mixing=0.5, aggregate=jd.low_bit()
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTRACT))
+def test_optax_contract(name):
+    """No recompilation, unknown extra args, abstract init, MultiSteps on bf16 with stable dtypes."""
+    params = {"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.zeros((3,), jnp.bfloat16)}
+    tx = optax.MultiSteps(CONTRACT[name](), every_k_schedule=2)
+    abstract = jax.eval_shape(tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+    assert jax.tree.structure(abstract) == jax.tree.structure(tx.init(params))
+    traces = []
+
+    def step(g, s, p):
+        traces.append(1)
+        u, s = tx.update(g, s, p, unknown_extra=jnp.ones(()), another=None)
+        return u, s, optax.apply_updates(p, u)
+
+    run = jax.jit(jax.vmap(step, axis_name="data"))
+    p = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+    s = jax.vmap(tx.init)(p)
+    dtypes = jax.tree.map(lambda x: x.dtype, s)
+    rng = np.random.default_rng(0)
+    for _ in range(8):
+        g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16), p)
+        u, s, p = run(g, s, p)
+        helpers.assert_dtypes_equal(u, p)
+        assert jax.tree.map(lambda x: x.dtype, s) == dtypes
+    assert len(traces) == 1
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(p))
+    helpers.assert_replicas_equal(s.inner_opt_state.anchor)
+
+
+def test_inject_hyperparams_mixing():
+    tx = optax.inject_hyperparams(jd.diloco, static_args=("sync_every", "num_fragments", "sync_delay"))(
+        _inner(), sync_every=2, mixing=0.5
+    )
+    n = 2
+    grads, params = _data(n, 4, seed=6)
+    _, p, state = helpers.run_steps(tx, grads, params, backend="vmap", per_worker_params=True)
+    want_x, _ = np_diloco(grads, params, H=2, alpha=0.5)
+    for i in range(n):
+        helpers.assert_trees_close(
+            {k: np.asarray(v)[i] for k, v in p.items()}, want_x[i], rtol=1e-5, atol=1e-5
+        )

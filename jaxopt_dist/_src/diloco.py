@@ -190,6 +190,10 @@ def diloco(
     ``tau`` steps (dropped at :math:`\alpha = 0`). The anchor is never
     blended.
 
+    ``sync_every``, ``num_fragments`` and ``sync_delay`` set the control
+    flow: under :func:`optax.inject_hyperparams` pass them in
+    ``static_args``; ``mixing`` may be injected.
+
     The update returned moves each worker's parameters to the new values;
     it is applied by addition (optax's contract), so after a
     synchronisation a worker's parameters are within a rounding of the new
