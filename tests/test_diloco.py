@@ -91,8 +91,7 @@ def _check(params_stacked, state, want_x, want_anchor, n):
     )
 
 
-@pytest.mark.parametrize("backend", helpers.BACKENDS)
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("backend,n", [("vmap", 1), ("vmap", 8), ("shard_map", 2), ("shard_map", 4)])
 def test_diloco_matches_reference(backend, n):
     T, H = 9, 3
     grads, params = _data(n, T, seed=n)
@@ -107,10 +106,8 @@ def test_diloco_matches_reference(backend, n):
 
 
 STREAMING = [  # (backend, n, F, tau, alpha, assignment)
-    ("vmap", 2, 2, 0, 0.0, "strided"),
     ("vmap", 2, 2, 1, 0.0, "strided"),
     ("vmap", 3, 4, 1, 0.25, "strided"),
-    ("vmap", 2, 2, 2, 0.5, "contiguous"),
     ("vmap", 2, 1, 2, 0.3, "strided"),
     ("shard_map", 4, 2, 1, 0.5, "strided"),
     ("shard_map", 2, 4, 0, 0.0, "contiguous"),
