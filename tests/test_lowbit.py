@@ -136,3 +136,17 @@ def test_chain_and_no_residual():
     g = jnp.asarray(np.random.default_rng(1).standard_normal((2, 16)), jnp.float32)
     out = helpers.run_transform(tx, g, backend="vmap")
     assert out.shape == (16,) and np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+def test_all_to_all_rows_exchanges_row_i_of_worker_j(backend):
+    from jaxopt_dist._src import comm
+
+    n = 4
+    x = jnp.asarray(
+        10 * np.arange(n)[:, None, None] + np.arange(n)[None, :, None] + np.zeros((n, n, 3)), jnp.float32
+    )
+    got = helpers.run_on_workers(
+        lambda v: comm.all_to_all_rows(v, "data"), x, backend=backend, replicated=False
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.swapaxes(np.asarray(x), 0, 1))
