@@ -19,10 +19,12 @@ from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_p
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
+from jaxopt_dist._src.lowbit import float_grid, low_bit
 from jaxopt_dist._src.optimizers import (
     ScaleByAdagradState,
     ScaleByAdamState,
@@ -76,6 +78,7 @@ __all__ = (
     "CommunicationCost",
     "Compressor",
     "DataParallelStep",
+    "DiLoCoState",
     "DimReduceInfo",
     "DimReduceState",
     "DynamicLossScaleState",
@@ -107,17 +110,21 @@ __all__ = (
     "communication_cost",
     "compressed_leaves",
     "data_parallel_step",
+    "diloco",
+    "diloco_fragments",
     "dim_reduce",
     "dynamic_loss_scale",
     "error_feedback",
     "fit_subspace",
     "flatten_params",
+    "float_grid",
     "gossip",
     "hierarchical",
     "hlo_collectives",
     "init_opt_state",
     "iterate_average",
     "loss_scale",
+    "low_bit",
     "master_weights",
     "mixing_matrix",
     "opt_state_placement",

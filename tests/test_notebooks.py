@@ -115,3 +115,23 @@ def test_compression_tour_runs_every_compressor():
     assert _images(nb) == 1  # loss vs bytes
     table = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "| powersgd_r2 |" in table and "| ratio vs dense |" in table
+
+
+def test_slow_network_is_stored_clean():
+    test_notebooks_are_stored_clean("slow_network.ipynb")
+
+
+@pytest.mark.slow
+def test_slow_network_compares_dense_and_diloco():
+    nb, s = _run("slow_network.ipynb", steps=24, workers=4)
+    methods = s["methods"]
+    assert s["workers"] == 4 and s["steps"] == 24 and s["sync_every"] == 12
+    assert set(methods) == {"dense", "diloco", "streaming_4bit"}
+    for name, m in methods.items():
+        assert m["accuracy"] > 0.2, name  # chance is 0.1
+    assert methods["dense"]["compression_ratio"] == pytest.approx(1.0)
+    assert methods["diloco"]["compression_ratio"] == pytest.approx(12.0)
+    # Four fragments, 4-bit codes plus scales and padding: well above H, below 8 H.
+    assert 12.0 * 4 < methods["streaming_4bit"]["compression_ratio"] < 12.0 * 8
+    assert methods["streaming_4bit"]["peak_bytes_per_step"] < methods["diloco"]["peak_bytes_per_step"] / 4
+    assert _images(nb) == 1

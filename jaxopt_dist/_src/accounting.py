@@ -267,6 +267,12 @@ class CommunicationCost:
         return max((s.sent_bytes for s in self.steps), default=0.0)
 
     @property
+    def peak_sent_bytes(self) -> float:
+        """The most bytes a worker sends on one step of ``period`` (the busiest
+        step of the steady state, e.g. one fragment's synchronisation)."""
+        return max((s.sent_bytes for s in self._averaged()), default=0.0)
+
+    @property
     def compression_ratio(self) -> float:
         """``dense_bytes / sent_bytes`` (inf if nothing is sent, nan with one worker)."""
         if self.dense_bytes == 0:

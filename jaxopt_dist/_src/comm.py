@@ -364,3 +364,22 @@ def all_gather_packed(
         offset += nbytes
     assert gathered.shape[0] == n
     return out
+
+
+# ----------------------------------------------------------------------------
+# Chunk exchange (low-bit all-reduce): one all-to-all.
+
+
+def all_to_all_rows(x: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:
+    """Worker ``i`` sends row ``j`` of ``x`` (shape ``(n, ...)``) to worker ``j``.
+
+    Returns an array like ``x`` whose row ``j`` is the row ``i`` of worker
+    ``j``'s ``x``: the first half of a reduce-scatter, with the reduction
+    left to the caller (e.g. after decoding compressed rows). Each worker
+    sends ``(n - 1) / n`` of ``x``'s bytes. The output is per-worker.
+    """
+    n = axis_size(axis_name, caller=caller)
+    if x.ndim < 1 or x.shape[0] != n:
+        raise ValueError(f"all_to_all_rows needs a leading axis of size {n} (the workers); got {x.shape}.")
+    x = to_varying(x, axis_name)
+    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
