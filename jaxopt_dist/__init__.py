@@ -19,9 +19,11 @@ from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_p
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
+from jaxopt_dist._src.onebit_adam import OnebitAdamState, onebit_adam
 from jaxopt_dist._src.optimizers import (
     ScaleByAdagradState,
     ScaleByAdamState,
@@ -75,6 +77,7 @@ __all__ = (
     "CommunicationCost",
     "Compressor",
     "DataParallelStep",
+    "DecoupledMomentumState",
     "DimReduceInfo",
     "DimReduceState",
     "DynamicLossScaleState",
@@ -82,6 +85,7 @@ __all__ = (
     "GossipState",
     "IterateAverageState",
     "MasterWeightsState",
+    "OnebitAdamState",
     "Placement",
     "PowerSGDState",
     "QSGDState",
@@ -105,6 +109,7 @@ __all__ = (
     "communication_cost",
     "compressed_leaves",
     "data_parallel_step",
+    "decoupled_momentum",
     "dim_reduce",
     "dynamic_loss_scale",
     "error_feedback",
@@ -117,6 +122,7 @@ __all__ = (
     "loss_scale",
     "master_weights",
     "mixing_matrix",
+    "onebit_adam",
     "opt_state_placement",
     "opt_state_specs",
     "partition_leaves",

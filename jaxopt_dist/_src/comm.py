@@ -364,3 +364,22 @@ def all_gather_packed(
         offset += nbytes
     assert gathered.shape[0] == n
     return out
+
+
+# ----------------------------------------------------------------------------
+# All-to-all (chunk j of every worker goes to worker j).
+
+
+def all_to_all(x: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:
+    """Sends row ``j`` of ``x`` to worker ``j``: ``out[i]`` is worker ``i``'s row for this worker.
+
+    ``x`` has a leading axis of length ``n`` (the number of workers). Each
+    worker keeps its own row and sends the other ``n - 1``: ``(n - 1) / n``
+    of its bytes travel. The output is per-worker (varying under shard_map).
+    """
+    n = axis_size(axis_name, caller=caller)
+    if x.ndim < 1 or x.shape[0] != n:
+        raise ValueError(f"all_to_all needs a leading axis of length {n} (one row per worker); got {x.shape}.")
+    if n == 1:
+        return x
+    return jax.lax.all_to_all(to_varying(x, axis_name), axis_name, 0, 0)
