@@ -18,10 +18,11 @@ from jaxopt_dist._src.adasum import adasum, adasum_tree
 from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_params, partition_leaves
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
+from jaxopt_dist._src.choco import ChocoGossipState, choco_gossip
 from jaxopt_dist._src.comm import UnboundAxisError
 from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
-from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
+from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.onebit_adam import OnebitAdamState, onebit_adam
 from jaxopt_dist._src.optimizers import (
@@ -74,6 +75,8 @@ __all__ = (
     "AverageParamsState",
     "AxisName",
     "BlockKState",
+    "ChocoGossipState",
+    "Codec",
     "CommunicationCost",
     "Compressor",
     "DataParallelStep",
@@ -106,6 +109,7 @@ __all__ = (
     "average_params",
     "averaged_params",
     "block_k",
+    "choco_gossip",
     "communication_cost",
     "compressed_leaves",
     "data_parallel_step",

@@ -383,3 +383,29 @@ def all_to_all(x: jax.Array, axis_name: AxisName, *, caller: str | None = None) 
     if n == 1:
         return x
     return jax.lax.all_to_all(to_varying(x, axis_name), axis_name, 0, 0)
+
+
+def ppermute_packed(
+    arrays: Sequence[jax.Array],
+    axis_name: AxisName,
+    perm: Sequence[tuple[int, int]],
+    *,
+    caller: str | None = None,
+) -> list[jax.Array]:
+    """Sends several arrays of any shapes and numeric dtypes along ``perm`` with ONE ppermute.
+
+    As :func:`all_gather_packed`: the arrays travel bitcast into a single uint8
+    buffer of ``sum(size * itemsize)`` bytes, exactly, and come back in their
+    shapes and dtypes (per-worker output).
+    """
+    arrays = list(arrays)
+    if not arrays:
+        return []
+    buffer = jnp.concatenate([_to_bytes(x) for x in arrays])
+    received = ppermute(buffer, axis_name, perm, caller=caller)[None]
+    out, offset = [], 0
+    for x in arrays:
+        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        out.append(_from_bytes(received[:, offset : offset + nbytes], tuple(x.shape), x.dtype)[0])
+        offset += nbytes
+    return out
