@@ -57,7 +57,7 @@ def np_choco(grads_seq, params, *, lr, gamma, w, compress):
 def _check_against_reference(tx, np_compress, n, backend, *, topology="ring", weights="uniform", T=3):
     grads = helpers.grads_seq(20 + n, T, n, SHAPES)
     params = helpers.random_tree(np.random.default_rng(5), SHAPES)
-    _, final, state = helpers.run_steps(tx, grads, params, backend=backend, per_worker_params=True)
+    _, final, (_, state) = helpers.run_steps(tx, grads, params, backend=backend, per_worker_params=True)
     w = jd.mixing_matrix(topology, n, weights=weights)
     want_x, copies = np_choco(grads, params, lr=0.1, gamma=0.5, w=w, compress=np_compress)
     helpers.assert_trees_close(final, want_x, rtol=1e-5, atol=1e-6)
@@ -105,7 +105,7 @@ def test_random_compressors_keep_copies_consistent_and_mean(compressor):
     tx = optax.chain(jd.sgd(0.1), jd.choco_gossip(comp, consensus_step=0.5))
     grads = helpers.grads_seq(9, T, n, SHAPES)
     params = helpers.random_tree(np.random.default_rng(5), SHAPES)
-    _, final, state = helpers.run_steps(tx, grads, params, backend="shard_map", per_worker_params=True)
+    _, final, (_, state) = helpers.run_steps(tx, grads, params, backend="shard_map", per_worker_params=True)
     w = jd.mixing_matrix("ring", n)
     for k in SHAPES:
         public, neigh = np.asarray(state.public[k]), np.asarray(state.neighbours[k])
