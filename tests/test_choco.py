@@ -94,7 +94,9 @@ def test_complete_graph_metropolis_eight_workers():
         jd.sgd(0.1),
         jd.choco_gossip(jd.top_k(k=2), topology="complete", weights="metropolis", consensus_step=0.5),
     )
-    _check_against_reference(tx, lambda x: np_top_k(x, 2), 8, "vmap", topology="complete", weights="metropolis")
+    _check_against_reference(
+        tx, lambda x: np_top_k(x, 2), 8, "vmap", topology="complete", weights="metropolis"
+    )
 
 
 @pytest.mark.parametrize("compressor", ["random_k", "qsgd"])

@@ -66,7 +66,9 @@ def np_onebit_adam(grads_seq, params, *, lr, freeze, b1, b2, eps, wd, n):
                 for j in range(n):  # server side: worker j owns chunk j
                     c = np.zeros(chunk, np.float32)
                     for i in range(n):
-                        c = c + sent_sign[i, j * chunk : (j + 1) * chunk] * (sent_scale[i] * np.float32(1 / n))
+                        c = c + sent_sign[i, j * chunk : (j + 1) * chunk] * (
+                            sent_scale[i] * np.float32(1 / n)
+                        )
                     c = c + se[k][j]
                     s = _scale(c)
                     se[k][j] = c - s * _pm(c)
@@ -102,7 +104,9 @@ def test_matches_numpy_reference(backend, n):
     want_u, want_p, want_m, want_we, want_se = np_onebit_adam(grads, params, n=n, **kw)
     helpers.assert_trees_close(updates, want_u, rtol=1e-5, atol=1e-7)
     helpers.assert_trees_close(final, want_p, rtol=1e-5, atol=1e-7)
-    helpers.assert_trees_close(jax.tree.map(lambda x: np.asarray(x)[0], state.mu), want_m, rtol=1e-5, atol=1e-7)
+    helpers.assert_trees_close(
+        jax.tree.map(lambda x: np.asarray(x)[0], state.mu), want_m, rtol=1e-5, atol=1e-7
+    )
     leaves = sorted(SHAPES)  # dict leaves are in key order
     for j, k in enumerate(leaves):
         np.testing.assert_allclose(np.asarray(state.worker_error[j]), want_we[k], rtol=1e-5, atol=1e-6)

@@ -208,7 +208,9 @@ def choco_gossip(
             received = comm.ppermute_packed(message, axis_name, term.pairs, caller="choco_gossip")
             q_j = codec.decode(received, delta, state.compressor_state)
             c = _coefficient(term, idx)
-            neighbours = jax.tree.map(lambda s, d: s + jnp.asarray(c, s.dtype) * d.astype(s.dtype), neighbours, q_j)
+            neighbours = jax.tree.map(
+                lambda s, d: s + jnp.asarray(c, s.dtype) * d.astype(s.dtype), neighbours, q_j
+            )
         gamma = base.resolve(consensus_step, state.count)
         off = _off_diagonal(terms, n, idx)
         new_updates = jax.tree.map(

@@ -379,7 +379,9 @@ def all_to_all(x: jax.Array, axis_name: AxisName, *, caller: str | None = None) 
     """
     n = axis_size(axis_name, caller=caller)
     if x.ndim < 1 or x.shape[0] != n:
-        raise ValueError(f"all_to_all needs a leading axis of length {n} (one row per worker); got {x.shape}.")
+        raise ValueError(
+            f"all_to_all needs a leading axis of length {n} (one row per worker); got {x.shape}."
+        )
     if n == 1:
         return x
     return jax.lax.all_to_all(to_varying(x, axis_name), axis_name, 0, 0)

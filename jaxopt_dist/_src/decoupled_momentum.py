@@ -271,7 +271,7 @@ def decoupled_momentum(
             payload += [values, idx.astype(index_dtype(lay.b1 * lay.b2))]
         gathered = comm.all_gather_packed(payload, axis_name, caller="decoupled_momentum")
         out = []
-        p_leaves = treedef.flatten_up_to(params) if use_wd else [None] * len(g_leaves)
+        p_leaves: list[Any] = treedef.flatten_up_to(params) if use_wd else [None] * len(g_leaves)
         wd = base.resolve(weight_decay, state.count) if use_wd else 0.0
         for j, (g, m, lay, p) in enumerate(zip(g_leaves, new_m, lays, p_leaves)):
             mean = _mean_of_chosen(gathered[2 * j + 1], gathered[2 * j], lay)

@@ -298,7 +298,7 @@ def onebit_adam(
         )
         out = _direction(mu, nu, state.count, b1, b2, eps, freeze_step, bias_correction)
         lr = base.resolve(learning_rate, state.count)
-        p_leaves = treedef.flatten_up_to(params) if use_wd else [None] * len(out)
+        p_leaves: list[Any] = treedef.flatten_up_to(params) if use_wd else [None] * len(out)
         wd = base.resolve(weight_decay, state.count) if use_wd else 0.0
         final = []
         for d, g, p in zip(out, g_leaves, p_leaves):
