@@ -198,14 +198,14 @@ def onebit_adam(
 
     Communication:
       Warm-up steps: one all-reduce (mean) of all the gradients in one
-      float32 buffer, ``4 d`` bytes (``d`` entries in all). Compressed steps (``n > 1``), with ``P_l`` the padded
-      size of leaf ``l``: one all-to-all of a uint8 buffer of
+      float32 buffer, ``4 d`` bytes (``d`` entries in all). Compressed steps
+      (``n > 1``), with ``P_l`` the padded size of leaf ``l``: one all-to-all of a uint8 buffer of
       ``n * sum_l (P_l / (8 n) + 4)`` bytes (row ``j``: the bit-packed signs
       of chunk ``j`` of every leaf and the leaf's float32 scale; a worker
       sends the ``n - 1`` rows that are not its own) and one all-gather of
       ``sum_l (P_l / (8 n) + 4)`` bytes (the server's packed signs and
-      scale of its chunk of every leaf). About ``2 P / 8`` bytes per worker
-      in all, against ``2 (n - 1) / n * 4 d`` for a dense float32 ring
+      scale of its chunk of every leaf). About ``2 (n - 1) / n * P / 8``
+      bytes sent per worker in all (``P = sum_l P_l``), against ``2 (n - 1) / n * 4 d`` for a dense float32 ring
       all-reduce: roughly 32x less. With one worker nothing is sent.
       Outputs, ``mu``, ``nu`` and ``count`` are replicated; the worker and
       server errors are per-worker.
