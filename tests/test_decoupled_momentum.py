@@ -258,3 +258,14 @@ def test_unbound_axis_and_missing_params():
     tx = jd.decoupled_momentum(0.1, weight_decay=0.1)
     with pytest.raises(ValueError, match="params"):
         jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 4)))
+
+
+def test_inject_hyperparams():
+    tx = optax.inject_hyperparams(jd.decoupled_momentum, static_args=("chunk", "topk"))(
+        learning_rate=0.1, decay=0.9, chunk=4, topk=2
+    )
+    ref = jd.decoupled_momentum(0.1, decay=0.9, chunk=4, topk=2)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 8)), jnp.float32)
+    # params given: weight_decay is injected as an array, so it may be non-zero.
+    run = lambda tx: jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(g), g)[0], axis_name="data"))(g)  # noqa: E731
+    helpers.assert_trees_equal(run(tx), run(ref))

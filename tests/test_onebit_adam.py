@@ -227,3 +227,23 @@ def test_wire_is_about_32x_smaller_than_dense():
     )
     assert 25 < cost.dense_bytes / cost.sent_bytes < 40
     assert math.isclose(cost.sent_bytes, 7 / 8 * (256 * 256 / 8 + 8 * 4) + 7 * (256 * 256 / 64 + 4))
+
+
+def test_inject_hyperparams():
+    tx = optax.inject_hyperparams(jd.onebit_adam, static_args=("freeze_step", "num_workers"))(
+        learning_rate=1e-2, freeze_step=1, num_workers=2, b1=0.8
+    )
+    ref = jd.onebit_adam(1e-2, freeze_step=1, num_workers=2, b1=0.8)
+    g = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 3)), jnp.float32)
+
+    def run(tx):
+        def two(g):
+            s = tx.init(g)
+            u1, s = tx.update(g, s, g)  # params: weight_decay is injected as an array
+            u2, _ = tx.update(g, s, g)
+            return u1, u2
+
+        return jax.jit(jax.vmap(two, axis_name="data"))(g)
+
+    # 1 - b1 is rounded in float32 for an injected b1, in double for a Python float.
+    helpers.assert_trees_close(run(tx), run(ref), rtol=1e-5, atol=1e-8)

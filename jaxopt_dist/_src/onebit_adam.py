@@ -147,9 +147,9 @@ def onebit_adam(
     *,
     freeze_step: int,
     num_workers: int | None = None,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
+    b1: optax.ScalarOrSchedule = 0.9,
+    b2: optax.ScalarOrSchedule = 0.999,
+    eps: optax.ScalarOrSchedule = 1e-8,
     weight_decay: optax.ScalarOrSchedule = 0.0,
     bias_correction: bool = False,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
@@ -181,9 +181,9 @@ def onebit_adam(
         needed by ``init``: the error buffers are padded to a multiple of
         ``n * lcm(n, 8)`` entries, as DeepSpeed's. ``update`` checks it
         against the axis size.
-      b1: :math:`\beta_1` in [0, 1).
-      b2: :math:`\beta_2` in [0, 1).
-      eps: :math:`\epsilon > 0`, added to :math:`\sqrt v`.
+      b1: :math:`\beta_1` in [0, 1); float or schedule.
+      b2: :math:`\beta_2` in [0, 1); float or schedule.
+      eps: :math:`\epsilon > 0`, added to :math:`\sqrt v`; float or schedule.
       weight_decay: :math:`\lambda \ge 0` (L2 added to the Adam direction, as
         DeepSpeed); float or schedule. Needs ``params`` when not zero.
       bias_correction: divide :math:`m` by :math:`1 - \beta_1^t` and :math:`v`
@@ -237,11 +237,9 @@ def onebit_adam(
             "buffers are padded to a multiple of n * lcm(n, 8) entries when the state is built."
         )
     num_workers = base.check_positive_int(num_workers, "num_workers")
-    for value, name in ((b1, "b1"), (b2, "b2")):
-        if not base.is_python_number(value) or not 0.0 <= float(value) < 1.0:
-            raise ValueError(f"`{name}` must be a Python float in [0, 1); got {value!r}.")
-    if not base.is_python_number(eps) or not float(eps) > 0.0:
-        raise ValueError(f"`eps` must be a Python float > 0; got {eps!r}.")
+    base.check_hyperparameter(b1, "b1", lower=0.0, upper=1.0, upper_open=True)
+    base.check_hyperparameter(b2, "b2", lower=0.0, upper=1.0, upper_open=True)
+    base.check_hyperparameter(eps, "eps", lower=0.0, lower_open=True)
     base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
     if not isinstance(bias_correction, bool):
         raise TypeError(f"`bias_correction` must be a bool; got {bias_correction!r}.")
@@ -271,15 +269,18 @@ def onebit_adam(
         g_leaves, treedef = jax.tree.flatten(updates)
         mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         g32 = [g.astype(jnp.float32) for g in g_leaves]
+        hyper = [base.resolve(h, state.count) for h in (b1, b2, eps)]
+        # 1 - beta in the hyperparameter's own precision (Python double for floats, as DeepSpeed).
+        b1v, b2v, epsv, c1v, c2v = (jnp.asarray(h, jnp.float32) for h in (*hyper, 1 - hyper[0], 1 - hyper[1]))
 
         def warmup(g32, mu, nu, we, se):
             mean = comm.reduce(g32, axis_name, reduction="mean", flatten=True, caller="onebit_adam")
-            mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, mean)]
-            nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, mean)]
+            mu = [b1v * m + c1v * g for m, g in zip(mu, mean)]
+            nu = [b2v * v + c2v * g * g for v, g in zip(nu, mean)]
             return mu, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
 
         def compressed(g32, mu, nu, we, se):
-            local = [b1 * m + (1 - b1) * g for m, g in zip(mu, g32)]
+            local = [b1v * m + c1v * g for m, g in zip(mu, g32)]
             if n == 1:  # nothing to exchange (DeepSpeed skips the compressed all-reduce too)
                 local = comm.pmean(local, axis_name, caller="onebit_adam")  # a no-op: types it replicated
                 return local, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
@@ -296,7 +297,7 @@ def onebit_adam(
             tuple(state.worker_error),
             tuple(state.server_error),
         )
-        out = _direction(mu, nu, state.count, b1, b2, eps, freeze_step, bias_correction)
+        out = _direction(mu, nu, state.count, b1v, b2v, epsv, freeze_step, bias_correction)
         lr = base.resolve(learning_rate, state.count)
         p_leaves: list[Any] = treedef.flatten_up_to(params) if use_wd else [None] * len(out)
         wd = base.resolve(weight_decay, state.count) if use_wd else 0.0
@@ -320,17 +321,17 @@ def _direction(
     mu: list[jax.Array],
     nu: list[jax.Array],
     count: jax.Array,
-    b1: float,
-    b2: float,
-    eps: float,
+    b1: jax.Array,
+    b2: jax.Array,
+    eps: jax.Array,
     freeze_step: int,
     bias_correction: bool,
 ) -> list[jax.Array]:
     """``m / (sqrt(v) + eps)``, bias-corrected if asked."""
     if not bias_correction:
-        return [m / (jnp.sqrt(v) + jnp.float32(eps)) for m, v in zip(mu, nu)]
+        return [m / (jnp.sqrt(v) + eps) for m, v in zip(mu, nu)]
     t = (count + 1).astype(jnp.float32)
     tv = jnp.minimum(count + 1, max(freeze_step, 1)).astype(jnp.float32)
-    c1 = 1 - jnp.float32(b1) ** t
-    c2 = 1 - jnp.float32(b2) ** tv
-    return [(m / c1) / (jnp.sqrt(v / c2) + jnp.float32(eps)) for m, v in zip(mu, nu)]
+    c1 = 1 - b1**t
+    c2 = 1 - b2**tv
+    return [(m / c1) / (jnp.sqrt(v / c2) + eps) for m, v in zip(mu, nu)]
