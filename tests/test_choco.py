@@ -99,11 +99,11 @@ def test_complete_graph_metropolis_eight_workers():
     )
 
 
-@pytest.mark.parametrize("compressor", ["random_k", "qsgd"])
+@pytest.mark.parametrize("compressor", ["random_k", "block_k", "qsgd"])
 def test_random_compressors_keep_copies_consistent_and_mean(compressor):
     """Any codec: the stored neighbour sum equals sum_j W_ij x_hat_j, and W keeps the mean."""
     n, T = 4, 3
-    comp = jd.random_k(k=3) if compressor == "random_k" else jd.qsgd(4)
+    comp = {"random_k": jd.random_k(k=3), "block_k": jd.block_k(k=3), "qsgd": jd.qsgd(4)}[compressor]
     tx = optax.chain(jd.sgd(0.1), jd.choco_gossip(comp, consensus_step=0.5))
     grads = helpers.grads_seq(9, T, n, SHAPES)
     params = helpers.random_tree(np.random.default_rng(5), SHAPES)
