@@ -18,13 +18,16 @@ from jaxopt_dist._src.adasum import adasum, adasum_tree
 from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_params, partition_leaves
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
+from jaxopt_dist._src.choco import ChocoGossipState, choco_gossip
 from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
-from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
+from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
 from jaxopt_dist._src.lowbit import float_grid, low_bit
+from jaxopt_dist._src.onebit_adam import OnebitAdamState, onebit_adam
 from jaxopt_dist._src.optimizers import (
     ScaleByAdagradState,
     ScaleByAdamState,
@@ -75,9 +78,12 @@ __all__ = (
     "AverageParamsState",
     "AxisName",
     "BlockKState",
+    "ChocoGossipState",
+    "Codec",
     "CommunicationCost",
     "Compressor",
     "DataParallelStep",
+    "DecoupledMomentumState",
     "DiLoCoState",
     "DimReduceInfo",
     "DimReduceState",
@@ -87,6 +93,7 @@ __all__ = (
     "HierarchicalState",
     "IterateAverageState",
     "MasterWeightsState",
+    "OnebitAdamState",
     "Placement",
     "PowerSGDState",
     "QSGDState",
@@ -107,9 +114,11 @@ __all__ = (
     "average_params",
     "averaged_params",
     "block_k",
+    "choco_gossip",
     "communication_cost",
     "compressed_leaves",
     "data_parallel_step",
+    "decoupled_momentum",
     "diloco",
     "diloco_fragments",
     "dim_reduce",
@@ -127,6 +136,7 @@ __all__ = (
     "low_bit",
     "master_weights",
     "mixing_matrix",
+    "onebit_adam",
     "opt_state_placement",
     "opt_state_specs",
     "partition_leaves",

@@ -139,14 +139,12 @@ def test_chain_and_no_residual():
 
 
 @pytest.mark.parametrize("backend", helpers.BACKENDS)
-def test_all_to_all_rows_exchanges_row_i_of_worker_j(backend):
+def test_all_to_all_exchanges_row_i_of_worker_j(backend):
     from jaxopt_dist._src import comm
 
     n = 4
     x = jnp.asarray(
         10 * np.arange(n)[:, None, None] + np.arange(n)[None, :, None] + np.zeros((n, n, 3)), jnp.float32
     )
-    got = helpers.run_on_workers(
-        lambda v: comm.all_to_all_rows(v, "data"), x, backend=backend, replicated=False
-    )
+    got = helpers.run_on_workers(lambda v: comm.all_to_all(v, "data"), x, backend=backend, replicated=False)
     np.testing.assert_array_equal(np.asarray(got), np.swapaxes(np.asarray(x), 0, 1))

@@ -367,19 +367,47 @@ def all_gather_packed(
 
 
 # ----------------------------------------------------------------------------
-# Chunk exchange (low-bit all-reduce): one all-to-all.
+# All-to-all (chunk j of every worker goes to worker j).
 
 
-def all_to_all_rows(x: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:
-    """Worker ``i`` sends row ``j`` of ``x`` (shape ``(n, ...)``) to worker ``j``.
+def all_to_all(x: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:
+    """Sends row ``j`` of ``x`` to worker ``j``: ``out[i]`` is worker ``i``'s row for this worker.
 
-    Returns an array like ``x`` whose row ``j`` is the row ``i`` of worker
-    ``j``'s ``x``: the first half of a reduce-scatter, with the reduction
-    left to the caller (e.g. after decoding compressed rows). Each worker
-    sends ``(n - 1) / n`` of ``x``'s bytes. The output is per-worker.
+    ``x`` has a leading axis of length ``n`` (the number of workers). Each
+    worker keeps its own row and sends the other ``n - 1``: ``(n - 1) / n``
+    of its bytes travel. The output is per-worker (varying under shard_map).
     """
     n = axis_size(axis_name, caller=caller)
     if x.ndim < 1 or x.shape[0] != n:
-        raise ValueError(f"all_to_all_rows needs a leading axis of size {n} (the workers); got {x.shape}.")
-    x = to_varying(x, axis_name)
-    return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+        raise ValueError(
+            f"all_to_all needs a leading axis of length {n} (one row per worker); got {x.shape}."
+        )
+    if n == 1:
+        return x
+    return jax.lax.all_to_all(to_varying(x, axis_name), axis_name, 0, 0)
+
+
+def ppermute_packed(
+    arrays: Sequence[jax.Array],
+    axis_name: AxisName,
+    perm: Sequence[tuple[int, int]],
+    *,
+    caller: str | None = None,
+) -> list[jax.Array]:
+    """Sends several arrays of any shapes and numeric dtypes along ``perm`` with ONE ppermute.
+
+    As :func:`all_gather_packed`: the arrays travel bitcast into a single uint8
+    buffer of ``sum(size * itemsize)`` bytes, exactly, and come back in their
+    shapes and dtypes (per-worker output).
+    """
+    arrays = list(arrays)
+    if not arrays:
+        return []
+    buffer = jnp.concatenate([_to_bytes(x) for x in arrays])
+    received = ppermute(buffer, axis_name, perm, caller=caller)[None]
+    out, offset = [], 0
+    for x in arrays:
+        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        out.append(_from_bytes(received[:, offset : offset + nbytes], tuple(x.shape), x.dtype)[0])
+        offset += nbytes
+    return out

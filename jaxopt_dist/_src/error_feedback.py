@@ -17,7 +17,8 @@ nothing is lost, only delayed (Seide et al. 2014; Karimireddy et al. 2019).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -33,6 +34,26 @@ class CompressFn(Protocol):
         ...
 
 
+class Codec(NamedTuple):
+    """A compressor's message, built and read locally: no communication.
+
+    Methods that send compressed messages to chosen peers instead of
+    aggregating them (:func:`jaxopt_dist.choco_gossip`) use it.
+
+    Attributes:
+      encode: ``encode(updates, state) -> (message, decoded, new_state)``:
+        ``message`` is the list of arrays that travel; ``decoded`` is what a
+        receiver reconstructs from them (like ``updates``); ``new_state`` the
+        compressor's state after the step.
+      decode: ``decode(message, like, state) -> decoded``: a peer's message
+        at the same step back into a tree like ``like``, with ``state`` this
+        worker's compressor state *before* the step (shared keys only).
+    """
+
+    encode: Callable[[optax.Updates, optax.OptState], tuple[list[jax.Array], optax.Updates, optax.OptState]]
+    decode: Callable[[Sequence[jax.Array], optax.Updates, optax.OptState], optax.Updates]
+
+
 class Compressor(NamedTuple):
     """A lossy communication scheme, in the form :func:`error_feedback` wraps.
 
@@ -43,10 +64,25 @@ class Compressor(NamedTuple):
         (the aggregate, replicated); ``contribution`` is the part of
         ``updates`` accounted for by this worker's message, in ``updates``'
         dtypes and shapes. The residual kept is ``updates - contribution``.
+      codec: the same message encoded and decoded locally (a :class:`Codec`),
+        or None where the scheme cannot work without its collectives.
     """
 
     init: Callable[[optax.Params], optax.OptState]
     compress: CompressFn
+    codec: Codec | None = None
+
+
+_WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], Compressor] = weakref.WeakKeyDictionary()
+
+
+def compressor_of(tx: Any) -> Compressor | None:
+    """The :class:`Compressor` inside a transform built by :func:`error_feedback`, or None."""
+    update = getattr(tx, "update", None)
+    try:
+        return _WRAPPED.get(update) if update is not None else None
+    except TypeError:  # not weak-referenceable
+        return None
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -126,6 +162,7 @@ def error_feedback(
             count=jnp.asarray(optax.safe_increment(state.count)), residual=residual, inner_state=inner_state
         )
 
+    _WRAPPED[update_fn] = compressor
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -126,7 +126,7 @@ def _low_bit_compressor(
         flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
         x = jnp.pad(flat, (0, n * chunk - total)).reshape(n, chunk)
         mine = _encode(x, grid, bits, block_size, blocks)
-        received = comm.all_to_all_rows(mine, axis_name, caller="low_bit")
+        received = comm.all_to_all(mine, axis_name, caller="low_bit")
         decoded = _decode(received, grid, bits, chunk, block_size, blocks)
         mean = jax.lax.fori_loop(1, n, lambda w, acc: acc + decoded[w], decoded[0]) / jnp.float32(n)
         (gathered,) = comm.all_gather_packed(

@@ -170,7 +170,32 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
         mean = summed / jnp.float32(n)
         return _split(mean, leaves, treedef), _split(decode(packed, scales), leaves, treedef), state
 
-    return ef.Compressor(lambda params: optax.EmptyState(), compress)
+    return ef.Compressor(lambda params: optax.EmptyState(), compress, _scaled_sign_codec())
+
+
+def _scaled_sign_codec() -> ef.Codec:
+    """The EF-signSGD message built locally: ``[packed signs, float32 scale per leaf]``."""
+
+    def decode(message, like, state):
+        del state
+        leaves, treedef = jax.tree.flatten(like)
+        if not leaves:
+            return like
+        sizes = _sizes(leaves)
+        flat = _unpack_signs(message[0], sum(sizes), jnp.float32) * base.repeat_segments(message[1], sizes)
+        return _split(flat, leaves, treedef)
+
+    def encode(updates, state):
+        leaves = jax.tree.leaves(updates)
+        if not leaves:
+            return [], updates, state
+        scales = jnp.stack(
+            [jnp.mean(jnp.abs(x.astype(_acc_dtype(x.dtype)))).astype(jnp.float32) for x in leaves]
+        )
+        message = [_pack_signs(leaves), scales]
+        return message, decode(message, updates, state), state
+
+    return ef.Codec(encode, decode)
 
 
 def scaled_sign(
@@ -377,7 +402,44 @@ def _qsgd_compressor(
             QSGDState(key=key),
         )
 
-    return ef.Compressor(init, compress)
+    return ef.Compressor(init, compress, _qsgd_codec(levels, bucket_size, axis_name))
+
+
+def _qsgd_codec(levels: int, bucket_size: int | None, axis_name: base.AxisName) -> ef.Codec:
+    """QSGD's message built locally, as the paper's scheme (``aggregate="all_gather"``): each
+    worker's own bucket norms; ``[codes, norms]`` per leaf."""
+    code_dtype = qsgd_code_dtype(levels)
+    s = jnp.float32(levels)
+
+    def decode(message, like, state):
+        del state
+        leaves, treedef = jax.tree.flatten(like)
+        out = []
+        for j, x in enumerate(leaves):
+            d = math.prod(x.shape)
+            m, b = _buckets(d, bucket_size)
+            out.append(
+                _decode(message[2 * j], message[2 * j + 1], s, d, m, b).reshape(x.shape).astype(x.dtype)
+            )
+        return jax.tree.unflatten(treedef, out)
+
+    def encode(updates, state):
+        leaves = jax.tree.leaves(updates)
+        key, step_key = jax.random.split(state.key)
+        shapes = [_buckets(d, bucket_size) for d in _sizes(leaves)]
+        u = qsgd_uniforms(step_key, comm.axis_index(axis_name, caller="qsgd"), sum(m * b for m, b in shapes))
+        message, offset = [], 0
+        for x, (m, b) in zip(leaves, shapes):
+            d = math.prod(x.shape)
+            v = jnp.ravel(x).astype(jnp.float32)
+            bl = jnp.pad(v, (0, m * b - d)).reshape(m, b)
+            norm = jnp.sqrt(jnp.sum(bl * bl, axis=1))
+            ui = u[offset : offset + m * b].reshape(m, b)
+            message += [_quantize(bl, norm, ui, s, d, code_dtype), norm]
+            offset += m * b
+        return message, decode(message, updates, state), QSGDState(key=key)
+
+    return ef.Codec(encode, decode)
 
 
 def qsgd(

@@ -218,7 +218,47 @@ def _top_k_compressor(
         (out,), (contrib,) = _gather_exchange([flat], [_largest(flat, p)], axis_name, "top_k")
         return _split(treedef, leaves, out), _split(treedef, leaves, contrib), state
 
-    return ef.Compressor(init, compress)
+    def pick(v, kl):
+        return None if kl is None else _largest(v, kl)
+
+    codec = (
+        _sparse_codec(lambda tree: _leaf_plan(_sizes(tree), k, density, "top_k"), pick) if per_leaf else None
+    )
+    return ef.Compressor(init, compress, codec)
+
+
+def _sparse_codec(plan_of: Callable[[Any], list[int | None]], pick: Callable[..., Any]) -> ef.Codec:
+    """Codec of a per-leaf sparsifier: ``pick(flat_leaf, k_l)`` gives ``(values, int32 indices)``,
+    or None for a leaf sent dense; the message holds values then indices of each leaf."""
+
+    def encode(updates, state):
+        leaves, treedef = jax.tree.flatten(updates)
+        message, decoded = [], []
+        for x, kl in zip(leaves, plan_of(updates)):
+            v = jnp.ravel(x)
+            sel = pick(v, kl)
+            if sel is None:
+                message.append(v)
+                decoded.append(v)
+            else:
+                message += list(sel)
+                decoded.append(_scatter(v.shape[0], sel[1], sel[0]))
+        return message, _unflatten(treedef, leaves, decoded), state
+
+    def decode(message, like, state):
+        del state
+        leaves, treedef = jax.tree.flatten(like)
+        out, pos = [], 0
+        for x, kl in zip(leaves, plan_of(like)):
+            if kl is None:
+                out.append(message[pos])
+                pos += 1
+            else:
+                out.append(_scatter(math.prod(x.shape), message[pos + 1], message[pos]))
+                pos += 2
+        return _unflatten(treedef, leaves, out)
+
+    return ef.Codec(encode, decode)
 
 
 def _split(treedef: Any, leaves: Sequence[jax.Array], flat: jax.Array) -> Any:
@@ -504,7 +544,31 @@ def _shared_compressor(
             state_cls(key=key),
         )
 
-    return ef.Compressor(init, compress)
+    def plan_and_puts(tree, state):
+        leaves = jax.tree.leaves(tree)
+        plan = _leaf_plan(_sizes(tree), k, density, caller)
+        _, step_key = jax.random.split(state.key)
+        return [
+            None if kl is None else pick(step_key, li, math.prod(x.shape), kl)
+            for li, (x, kl) in enumerate(zip(leaves, plan))
+        ]
+
+    def encode(updates, state):
+        leaves, treedef = jax.tree.flatten(updates)
+        message, decoded = [], []
+        for x, tp in zip(leaves, plan_and_puts(updates, state)):
+            v = jnp.ravel(x)
+            message.append(v if tp is None else tp[0](v))
+            decoded.append(v if tp is None else tp[1](message[-1]))
+        key, _ = jax.random.split(state.key)
+        return message, _unflatten(treedef, leaves, decoded), state_cls(key=key)
+
+    def decode(message, like, state):
+        leaves, treedef = jax.tree.flatten(like)
+        out = [m if tp is None else tp[1](m) for m, tp in zip(message, plan_and_puts(like, state))]
+        return _unflatten(treedef, leaves, out)
+
+    return ef.Compressor(init, compress, ef.Codec(encode, decode))
 
 
 def _pick_random(step_key, leaf, size, k):

@@ -1,0 +1,337 @@
+r"""1-bit Adam: dense Adam warm-up, then a frozen variance and a 1-bit momentum exchange.
+
+DeepSpeed's ``OnebitAdam`` (``runtime/fp16/onebit/adam.py`` with the
+compressed all-reduce of ``runtime/comm``), step for step:
+
+* **Warm-up** (the first ``freeze_step`` updates): Adam on the mean gradient,
+  :math:`m \leftarrow \beta_1 m + (1 - \beta_1) \bar g`,
+  :math:`v \leftarrow \beta_2 v + (1 - \beta_2) \bar g^2`, without bias
+  correction.
+* **Compressed phase**: :math:`v` is frozen. Each worker forms its momentum
+  :math:`m_i = \beta_1 m + (1 - \beta_1) g_i` from its *local* gradient and
+  the workers agree on a new :math:`m` through a compressed all-reduce with
+  error feedback on both sides: per leaf, each worker flattens
+  :math:`m_i`, pads it with zeros to :math:`P` entries (a multiple of
+  :math:`n \cdot \operatorname{lcm}(n, 8)`), adds its worker error
+  :math:`e_i`, and compresses :math:`x_i = m_i + e_i` to
+  :math:`s_i \operatorname{sign}(x_i)` with :math:`s_i = \lVert x_i
+  \rVert_2 / \sqrt P` (``sign(0) = +1``), keeping :math:`e_i \leftarrow x_i -
+  s_i \operatorname{sign}(x_i)`. Chunk :math:`j` (:math:`P / n` entries) of
+  every worker's signs goes to worker :math:`j` (an all-to-all), which
+  averages :math:`c_j = \frac1n \sum_i s_i \operatorname{sign}(x_i)_j`, adds
+  its server error :math:`\epsilon_j`, compresses again with the scale
+  :math:`\lVert c_j + \epsilon_j \rVert / \sqrt{P / n}` and keeps the new
+  server error. The compressed chunks are all-gathered; their concatenation,
+  truncated to the leaf's size, is the new :math:`m` on every worker.
+
+With one worker there is nothing to exchange: as in DeepSpeed,
+:math:`m = m_1` uncompressed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxopt_dist._src import base, comm
+
+
+def padded_size(size: int, num_workers: int) -> int:
+    """``size`` rounded up to a multiple of ``n * lcm(n, 8)`` (DeepSpeed's padding)."""
+    unit = num_workers * math.lcm(num_workers, 8)
+    return -(-size // unit) * unit
+
+
+class OnebitAdamState(NamedTuple):
+    """State for :func:`jaxopt_dist.onebit_adam`.
+
+    Attributes:
+      count: int32[], updates taken; replicated.
+      mu: the momentum :math:`m`, like params in float32; replicated.
+      nu: the second moment :math:`v` (frozen after warm-up), like params in
+        float32; replicated.
+      worker_error: per leaf, float32[P] (the padded size); per-worker.
+      server_error: per leaf, float32[P / n], the error of the chunk this
+        worker reduces; per-worker.
+    """
+
+    count: jax.Array  # int32[], replicated
+    mu: optax.Updates  # like params, float32, replicated
+    nu: optax.Updates  # like params, float32, replicated
+    worker_error: tuple[jax.Array, ...]  # float32[P_l] per leaf, per-worker
+    server_error: tuple[jax.Array, ...]  # float32[P_l / n] per leaf, per-worker
+
+
+def _sign_bits(x: jax.Array) -> jax.Array:
+    """True where the 1-bit sign is -1 (``x < 0``); ``x >= 0`` (and NaN) is +1."""
+    return x < 0
+
+
+def _pm(neg: jax.Array) -> jax.Array:
+    return jnp.where(neg, jnp.float32(-1), jnp.float32(1))
+
+
+def _scale(x: jax.Array) -> jax.Array:
+    return jnp.linalg.norm(x) / jnp.float32(np.sqrt(x.shape[-1]))
+
+
+def _f32_bytes(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8)
+
+
+def _worker_side(m: jax.Array, error: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """(message rows ``(n, P / (8 n) + 4)`` uint8: packed signs of chunk j, then the scale; new error)."""
+    size = error.shape[0]
+    x = jnp.pad(jnp.ravel(m), (0, size - m.size)) + error
+    scale = _scale(x)
+    neg = _sign_bits(x)
+    new_error = x - scale * _pm(neg)
+    packed = jnp.packbits(neg.reshape(n, size // n), axis=1)
+    rows = jnp.concatenate([packed, jnp.broadcast_to(_f32_bytes(scale), (n, 4))], axis=1)
+    return rows, new_error
+
+
+def _server_side(
+    rows: jax.Array, error: jax.Array, n: int, axis_name: base.AxisName
+) -> tuple[list[jax.Array], jax.Array]:
+    """Received rows ``(n, chunk / 8 + 4)`` -> (server message [packed signs, scale], new server error)."""
+    chunk = error.shape[0]
+    signs = jnp.unpackbits(rows[:, : chunk // 8], axis=1, count=chunk)
+    scales = jax.lax.bitcast_convert_type(rows[:, chunk // 8 :], jnp.float32)  # (n,)
+    inv_n = jnp.float32(1.0 / n)
+
+    def add(w, acc):
+        return acc + _pm(signs[w].astype(bool)) * (scales[w] * inv_n)
+
+    zero = comm.to_varying(jnp.zeros((chunk,), jnp.float32), axis_name)  # the rows are per-worker
+    c = jax.lax.fori_loop(0, n, add, zero) + error
+    scale = _scale(c)
+    neg = _sign_bits(c)
+    return [jnp.packbits(neg), scale], c - scale * _pm(neg)
+
+
+def _compressed_allreduce(
+    ms: list[jax.Array], worker_errors: tuple, server_errors: tuple, n: int, axis_name: base.AxisName
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    """The two-sided error-feedback all-reduce of every leaf: one all-to-all, one all-gather."""
+    rows, new_we = [], []
+    for m, e in zip(ms, worker_errors):
+        r, e = _worker_side(m, e, n)
+        rows.append(r)
+        new_we.append(e)
+    widths = [r.shape[1] for r in rows]
+    received = comm.all_to_all(jnp.concatenate(rows, axis=1), axis_name, caller="onebit_adam")
+    payload, new_se, offset = [], [], 0
+    for w, e in zip(widths, server_errors):
+        msg, e = _server_side(received[:, offset : offset + w], e, n, axis_name)
+        payload += msg
+        new_se.append(e)
+        offset += w
+    gathered = comm.all_gather_packed(payload, axis_name, caller="onebit_adam")
+    out = []
+    for j, m in enumerate(ms):
+        bits, scales = gathered[2 * j], gathered[2 * j + 1]  # (n, chunk / 8), (n,)
+        chunk = bits.shape[1] * 8
+        signs = _pm(jnp.unpackbits(bits, axis=1, count=chunk).astype(bool))
+        out.append((signs * scales[:, None]).reshape(-1)[: m.size].reshape(m.shape))
+    return out, new_we, new_se
+
+
+def onebit_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    freeze_step: int,
+    num_workers: int | None = None,
+    b1: optax.ScalarOrSchedule = 0.9,
+    b2: optax.ScalarOrSchedule = 0.999,
+    eps: optax.ScalarOrSchedule = 1e-8,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    bias_correction: bool = False,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+) -> optax.GradientTransformationExtraArgs:
+    r"""1-bit Adam (DeepSpeed): dense warm-up, then frozen variance and 1-bit momentum.
+
+    Takes each worker's *local* gradients and returns the final updates (use
+    it alone, not after an all-reduce nor before another optimizer):
+
+    .. math::
+      u = -\eta \Big(\frac{m}{\sqrt{v} + \epsilon} + \lambda p\Big),
+
+    with :math:`m, v` as the module docstring describes: exactly
+    ``freeze_step`` dense Adam updates on the mean gradient, then :math:`v`
+    frozen and :math:`m` exchanged through a 1-bit compressed all-reduce
+    with worker and server error feedback. :math:`m`, :math:`v` and the
+    updates are bit-identical on every worker.
+
+    ``freeze_step`` here counts dense updates: DeepSpeed's step counter
+    includes an initialising call, so its ``freeze_step=F`` gives ``F - 1``
+    dense updates; to reproduce a DeepSpeed run configured with
+    ``freeze_step=F`` pass ``freeze_step=F - 1``.
+
+    Args:
+      learning_rate: :math:`\eta`, a float or an optax schedule.
+      freeze_step: the number of dense warm-up updates (Python int >= 1; the
+        frozen variance comes from them).
+      num_workers: the number of workers on ``axis_name`` (Python int >= 1),
+        needed by ``init``: the error buffers are padded to a multiple of
+        ``n * lcm(n, 8)`` entries, as DeepSpeed's. ``update`` checks it
+        against the axis size.
+      b1: :math:`\beta_1` in [0, 1); float or schedule.
+      b2: :math:`\beta_2` in [0, 1); float or schedule.
+      eps: :math:`\epsilon > 0`, added to :math:`\sqrt v`; float or schedule.
+      weight_decay: :math:`\lambda \ge 0` (L2 added to the Adam direction, as
+        DeepSpeed); float or schedule. Needs ``params`` when not zero.
+      bias_correction: divide :math:`m` by :math:`1 - \beta_1^t` and :math:`v`
+        by :math:`1 - \beta_2^{\min(t, F)}` (:math:`t` the update number;
+        :math:`v`'s correction freezes with it). Off by default, as DeepSpeed
+        (which stores the flag and never uses it) and the paper.
+      axis_name: the mapped axis (or tuple of axes) of the workers.
+
+    Returns:
+      A :class:`optax.GradientTransformationExtraArgs` whose state is an
+      :class:`OnebitAdamState`.
+
+    Communication:
+      Warm-up steps: one all-reduce (mean) of all the gradients in one
+      float32 buffer, ``4 d`` bytes (``d`` entries in all). Compressed steps
+      (``n > 1``), with ``P_l`` the padded size of leaf ``l``: one all-to-all of a uint8 buffer of
+      ``n * sum_l (P_l / (8 n) + 4)`` bytes (row ``j``: the bit-packed signs
+      of chunk ``j`` of every leaf and the leaf's float32 scale; a worker
+      sends the ``n - 1`` rows that are not its own) and one all-gather of
+      ``sum_l (P_l / (8 n) + 4)`` bytes (the server's packed signs and
+      scale of its chunk of every leaf). About ``2 (n - 1) / n * P / 8``
+      bytes sent per worker in all (``P = sum_l P_l``), against ``2 (n - 1) / n * 4 d`` for a dense float32 ring
+      all-reduce: roughly 32x less. With one worker nothing is sent.
+      Outputs, ``mu``, ``nu`` and ``count`` are replicated; the worker and
+      server errors are per-worker.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
+      >>> tx = jd.onebit_adam(0.1, freeze_step=1, num_workers=2)
+      >>> g = jnp.array([[1.0, -2.0], [3.0, -2.0]])  # two workers
+      >>> def two_steps(g):
+      ...     s = tx.init(g)
+      ...     u1, s = tx.update(g, s)       # dense warm-up on the mean gradient
+      ...     u2, s = tx.update(g, s)       # 1-bit momentum exchange
+      ...     return u1, u2
+      >>> u1, u2 = jax.vmap(two_steps, axis_name="data")(g)
+      >>> u1[0]
+      Array([-0.31622773,  0.31622773], dtype=float32)
+      >>> u2[0]
+      Array([-0.21428898,  0.21428898], dtype=float32)
+
+    References:
+      Tang et al., `1-bit Adam: Communication Efficient Large-Scale Training
+      with Adam's Convergence Speed <https://arxiv.org/abs/2102.02888>`_, 2021
+    """
+    base.check_hyperparameter(learning_rate, "learning_rate", lower=0.0)
+    freeze_step = base.check_positive_int(freeze_step, "freeze_step")
+    if num_workers is None:
+        raise ValueError(
+            "`onebit_adam` needs `num_workers`, the size of the axis it runs over: its error "
+            "buffers are padded to a multiple of n * lcm(n, 8) entries when the state is built."
+        )
+    num_workers = base.check_positive_int(num_workers, "num_workers")
+    base.check_hyperparameter(b1, "b1", lower=0.0, upper=1.0, upper_open=True)
+    base.check_hyperparameter(b2, "b2", lower=0.0, upper=1.0, upper_open=True)
+    base.check_hyperparameter(eps, "eps", lower=0.0, lower_open=True)
+    base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
+    if not isinstance(bias_correction, bool):
+        raise TypeError(f"`bias_correction` must be a bool; got {bias_correction!r}.")
+    axis_name = base.validate_axis_name(axis_name)
+    use_wd = not base.is_constant(weight_decay, 0.0)
+    n_cfg = num_workers
+
+    def init_fn(params):
+        leaves = jax.tree.leaves(params)
+        sizes = [padded_size(math.prod(jnp.shape(p)), n_cfg) for p in leaves]
+        f32 = lambda p: jnp.zeros(jnp.shape(p), jnp.float32)  # noqa: E731
+        return OnebitAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=jax.tree.map(f32, params),
+            nu=jax.tree.map(f32, params),
+            worker_error=tuple(jnp.zeros((s,), jnp.float32) for s in sizes),
+            server_error=tuple(jnp.zeros((s // n_cfg,), jnp.float32) for s in sizes),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        n = comm.require_axis(axis_name, "onebit_adam")
+        if n != n_cfg:
+            raise ValueError(f"`onebit_adam` was built with num_workers={n_cfg} but runs on {n} workers.")
+        if use_wd and params is None:
+            raise ValueError("`onebit_adam` with weight_decay needs `params` in update().")
+        g_leaves, treedef = jax.tree.flatten(updates)
+        mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        g32 = [g.astype(jnp.float32) for g in g_leaves]
+        hyper = [base.resolve(h, state.count) for h in (b1, b2, eps)]
+        # 1 - beta in the hyperparameter's own precision (Python double for floats, as DeepSpeed).
+        b1v, b2v, epsv, c1v, c2v = (jnp.asarray(h, jnp.float32) for h in (*hyper, 1 - hyper[0], 1 - hyper[1]))
+
+        def warmup(g32, mu, nu, we, se):
+            mean = comm.reduce(g32, axis_name, reduction="mean", flatten=True, caller="onebit_adam")
+            mu = [b1v * m + c1v * g for m, g in zip(mu, mean)]
+            nu = [b2v * v + c2v * g * g for v, g in zip(nu, mean)]
+            return mu, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
+
+        def compressed(g32, mu, nu, we, se):
+            local = [b1v * m + c1v * g for m, g in zip(mu, g32)]
+            if n == 1:  # nothing to exchange (DeepSpeed skips the compressed all-reduce too)
+                local = comm.pmean(local, axis_name, caller="onebit_adam")  # a no-op: types it replicated
+                return local, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
+            mu, we, se = _compressed_allreduce(local, we, se, n, axis_name)
+            return mu, nu, comm.to_varying(tuple(we), axis_name), comm.to_varying(tuple(se), axis_name)
+
+        mu, nu, we, se = jax.lax.cond(
+            state.count < freeze_step,
+            warmup,
+            compressed,
+            g32,
+            mu,
+            nu,
+            tuple(state.worker_error),
+            tuple(state.server_error),
+        )
+        out = _direction(mu, nu, state.count, b1v, b2v, epsv, freeze_step, bias_correction)
+        lr = base.resolve(learning_rate, state.count)
+        p_leaves: list[Any] = treedef.flatten_up_to(params) if use_wd else [None] * len(out)
+        wd = base.resolve(weight_decay, state.count) if use_wd else 0.0
+        final = []
+        for d, g, p in zip(out, g_leaves, p_leaves):
+            if use_wd:
+                d = d + jnp.asarray(wd, jnp.float32) * p.astype(jnp.float32)
+            final.append((-jnp.asarray(lr, jnp.float32) * d).astype(g.dtype))
+        return jax.tree.unflatten(treedef, final), OnebitAdamState(
+            count=jnp.asarray(optax.safe_increment(state.count)),
+            mu=jax.tree.unflatten(treedef, list(mu)),
+            nu=jax.tree.unflatten(treedef, list(nu)),
+            worker_error=tuple(we),
+            server_error=tuple(se),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _direction(
+    mu: list[jax.Array],
+    nu: list[jax.Array],
+    count: jax.Array,
+    b1: jax.Array,
+    b2: jax.Array,
+    eps: jax.Array,
+    freeze_step: int,
+    bias_correction: bool,
+) -> list[jax.Array]:
+    """``m / (sqrt(v) + eps)``, bias-corrected if asked."""
+    if not bias_correction:
+        return [m / (jnp.sqrt(v) + eps) for m, v in zip(mu, nu)]
+    t = (count + 1).astype(jnp.float32)
+    tv = jnp.minimum(count + 1, max(freeze_step, 1)).astype(jnp.float32)
+    c1 = 1 - b1**t
+    c2 = 1 - b2**tv
+    return [(m / c1) / (jnp.sqrt(v / c2) + eps) for m, v in zip(mu, nu)]
