@@ -218,7 +218,7 @@ def _top_k_compressor(
         (out,), (contrib,) = _gather_exchange([flat], [_largest(flat, p)], axis_name, "top_k")
         return _split(treedef, leaves, out), _split(treedef, leaves, contrib), state
 
-    return ef.Compressor(init, compress)
+    return ef.Compressor(init, compress, axis_name=axis_name, name="top_k")
 
 
 def _split(treedef: Any, leaves: Sequence[jax.Array], flat: jax.Array) -> Any:
@@ -362,7 +362,7 @@ def _threshold_compressor(
         new_state = ThresholdState(count=jnp.asarray(optax.safe_increment(state.count)))
         return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), new_state
 
-    return ef.Compressor(init, compress)
+    return ef.Compressor(init, compress, axis_name=axis_name, name="threshold")
 
 
 def threshold(
@@ -471,6 +471,7 @@ def _shared_compressor(
     caller: str,
     state_cls: Callable[..., Any],
     pick: Callable[..., tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]]],
+    invariant_updates: str = "sum",
 ) -> ef.Compressor:
     """``pick(step_key_for_leaf, size, k) -> (take, put)``: ``take`` reads the k sent
     entries of a flat leaf, ``put`` writes k values back into a zero leaf."""
@@ -504,7 +505,9 @@ def _shared_compressor(
             state_cls(key=key),
         )
 
-    return ef.Compressor(init, compress)
+    return ef.Compressor(
+        init, compress, axis_name=axis_name, name=caller, invariant_updates=invariant_updates, linear=True
+    )
 
 
 def _pick_random(step_key, leaf, size, k):
@@ -535,6 +538,7 @@ def random_k(
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     error_feedback: bool = True,
     seed: int = 0,
+    invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Random-k sparsification with indices shared by all workers.
 
@@ -563,6 +567,11 @@ def random_k(
       axis_name: the mapped axis (or tuple of axes) of the workers.
       error_feedback: keep the unsent part in a per-worker residual.
       seed: seeds the shared key (Python int >= 0).
+      invariant_updates: what an update leaf typed invariant under
+        ``jax.shard_map(check_vma=True)`` stands for: ``"sum"`` over the
+        workers (the gradient of replicated parameters; the default), or
+        ``"mean"`` (gradients you pmean-ed yourself); either way the output
+        depends only on the mean, so it is exact. ``"error"`` rejects them.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -585,7 +594,10 @@ def random_k(
     axis_name = base.validate_axis_name(axis_name)
     _check_bool(error_feedback, "error_feedback")
     seed = _check_seed(seed)
-    comp = _shared_compressor(k, density, seed, axis_name, "random_k", RandomKState, _pick_random)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
+    comp = _shared_compressor(
+        k, density, seed, axis_name, "random_k", RandomKState, _pick_random, invariant_updates
+    )
     return ef.error_feedback(comp, enabled=error_feedback)
 
 
@@ -596,6 +608,7 @@ def block_k(
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     error_feedback: bool = True,
     seed: int = 0,
+    invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Block sparsification: a random contiguous block of k entries, shared by all workers.
 
@@ -618,6 +631,11 @@ def block_k(
       axis_name: the mapped axis (or tuple of axes) of the workers.
       error_feedback: keep the unsent part in a per-worker residual.
       seed: seeds the shared key (Python int >= 0).
+      invariant_updates: what an update leaf typed invariant under
+        ``jax.shard_map(check_vma=True)`` stands for: ``"sum"`` over the
+        workers (the gradient of replicated parameters; the default), or
+        ``"mean"`` (gradients you pmean-ed yourself); either way the output
+        depends only on the mean, so it is exact. ``"error"`` rejects them.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -636,5 +654,8 @@ def block_k(
     axis_name = base.validate_axis_name(axis_name)
     _check_bool(error_feedback, "error_feedback")
     seed = _check_seed(seed)
-    comp = _shared_compressor(k, density, seed, axis_name, "block_k", BlockKState, _pick_block)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
+    comp = _shared_compressor(
+        k, density, seed, axis_name, "block_k", BlockKState, _pick_block, invariant_updates
+    )
     return ef.error_feedback(comp, enabled=error_feedback)
