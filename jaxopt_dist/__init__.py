@@ -14,11 +14,12 @@ from jaxopt_dist._src.accounting import (
     hlo_collectives,
     project_step_time,
 )
+from jaxopt_dist._src.accumulate import AccumulateState, accumulate
 from jaxopt_dist._src.adasum import adasum, adasum_tree
 from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_params, partition_leaves
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
-from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.comm import AlreadyReducedError, UnboundAxisError
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
@@ -63,11 +64,14 @@ from jaxopt_dist._src.sparsify import (
     threshold,
     top_k,
 )
+from jaxopt_dist._src.wrappers import mean_value
 
 __version__ = "0.1.0"
 
 __all__ = (
     "DEFAULT_AXIS_NAME",
+    "AccumulateState",
+    "AlreadyReducedError",
     "ApplyIfFiniteEverywhereState",
     "AverageParamsState",
     "AxisName",
@@ -93,6 +97,7 @@ __all__ = (
     "StepTime",
     "ThresholdState",
     "UnboundAxisError",
+    "accumulate",
     "adagrad",
     "adam",
     "adasum",
@@ -116,6 +121,7 @@ __all__ = (
     "iterate_average",
     "loss_scale",
     "master_weights",
+    "mean_value",
     "mixing_matrix",
     "opt_state_placement",
     "opt_state_specs",

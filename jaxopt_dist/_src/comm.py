@@ -543,3 +543,52 @@ def per_worker_share(
             x = jax.lax.pcast(x, axes, to="varying")
         out.append(x)
     return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------
+# Branches that disagree on varying/invariant.
+
+
+def _type_varying(x: Any) -> frozenset[Any]:
+    """Varying axes of an array or of a ``jax.eval_shape`` result (empty if untracked)."""
+    mat = getattr(x, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(x, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return frozenset()
+    return _varying_axes(x) or frozenset()
+
+
+def _cast_to_union(tree: Any, *others: Any) -> Any:
+    """Casts each leaf of ``tree`` to varying over the axes any of ``others`` varies over."""
+
+    def cast(x, *likes):
+        want = frozenset().union(*(_type_varying(y) for y in likes))
+        missing = tuple(sorted(want - _type_varying(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree, *others)
+
+
+def cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
+    """``jax.lax.cond`` whose branches may differ in varying/invariant typing.
+
+    Under ``jax.shard_map(check_vma=True)`` both branches of a ``cond`` must
+    return the same types, invariant or varying alike; a branch that returns a
+    constant (zero updates, an unchanged replicated state) where the other
+    returns a per-worker value fails to trace. Each output leaf here is cast to
+    varying over every axis it varies over in either branch. A no-op cast
+    outside shard_map. ``pred`` should be the same on every worker (e.g. from
+    a replicated counter): the branches may communicate.
+    """
+    t_shape = jax.eval_shape(true_fn, *operands)
+    f_shape = jax.eval_shape(false_fn, *operands)
+    return jax.lax.cond(
+        pred,
+        lambda *ops: _cast_to_union(true_fn(*ops), f_shape),
+        lambda *ops: _cast_to_union(false_fn(*ops), t_shape),
+        *operands,
+    )
