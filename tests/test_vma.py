@@ -149,7 +149,12 @@ def test_mean_only_compressor_on_summed_input(name, n):
 def test_mean_only_compressor_error_mode_names_the_option():
     tx = jd.random_k(density=0.5, invariant_updates="error")
     with pytest.raises(jd.AlreadyReducedError, match="invariant_updates='error'"):
-        _run_mixed(lambda inv, _: tx.update(inv, tx.init(inv))[0], {"w": np.ones(4, np.float32)}, {"_": np.zeros((2, 1))}, 2)
+        _run_mixed(
+            lambda inv, _: tx.update(inv, tx.init(inv))[0],
+            {"w": np.ones(4, np.float32)},
+            {"_": np.zeros((2, 1))},
+            2,
+        )
 
 
 # ----------------------------------------------------------------------------
@@ -188,7 +193,9 @@ def example():
     return helpers.load_example("flax_nnx_plain_shard_map")
 
 
-@pytest.mark.parametrize("name", ["all_reduce", "all_reduce(sum)", "random_k(density=1)", "powersgd(full rank)"])
+@pytest.mark.parametrize(
+    "name", ["all_reduce", "all_reduce(sum)", "random_k(density=1)", "powersgd(full rank)"]
+)
 def test_nnx_loop_exact_methods_match_single_device(example, name):
     assert name in example.LINEAR
     res = example.compare(name, workers=4)
