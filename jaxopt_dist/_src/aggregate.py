@@ -77,7 +77,9 @@ def all_reduce(
       One all-reduce per leaf (or per dtype with ``flatten=True``), each worker
       sending and receiving the updates' size in the wire dtype (about
       ``2 (n-1)/n`` times that for a ring all-reduce). Outputs are replicated.
-      No state.
+      No state. Leaves that arrive already reduced (typed invariant under
+      ``shard_map(check_vma=True)``, see ``invariant_updates``) are not
+      communicated.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
