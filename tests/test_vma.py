@@ -222,3 +222,22 @@ def test_nnx_example_main_prints_table(example, capsys, monkeypatch):
     assert "all_reduce" in out and "AlreadyReducedError" in out
     assert results["all_reduce"]["check_vma=True"] < 1e-6
     assert isinstance(results["qsgd"]["check_vma=True"], jd.AlreadyReducedError)
+
+
+def test_all_reduce_tuple_axis_partly_summed():
+    """Varying over "a", already summed over "b": the total is the sum over "a" alone."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+    rows = np.arange(6, dtype=np.float32).reshape(2, 3)  # row i: the sum over "b" on a == i
+    x = jax.device_put(rows, jax.sharding.NamedSharding(mesh, P("a")))
+
+    def body(reduction, x):
+        tx = jd.all_reduce(axis_name=("a", "b"), reduction=reduction)
+        return tx.update(x[0], tx.init(x[0]))[0]
+
+    for reduction, ref in (("mean", rows.sum(0) / 4), ("sum", rows.sum(0))):
+        f = jax.shard_map(
+            functools.partial(body, reduction), mesh=mesh, in_specs=P("a"), out_specs=P(), check_vma=True
+        )
+        np.testing.assert_allclose(jax.jit(f)(x), ref, rtol=1e-6)
