@@ -216,12 +216,13 @@ def test_nnx_loop_nonlinear_raises_and_pcast_fixes_it(example, name):
 
 
 def test_nnx_example_main_prints_table(example, capsys, monkeypatch):
-    monkeypatch.setattr(example, "AGGREGATORS", {k: example.AGGREGATORS[k] for k in ("all_reduce", "qsgd")})
+    monkeypatch.setattr(example, "AGGREGATORS", {"qsgd": example.AGGREGATORS["qsgd"]})
     results = example.main(["--workers", "2"])
-    out = capsys.readouterr().out
-    assert "all_reduce" in out and "AlreadyReducedError" in out
-    assert results["all_reduce"]["check_vma=True"] < 1e-6
+    assert "AlreadyReducedError" in capsys.readouterr().out
     assert isinstance(results["qsgd"]["check_vma=True"], jd.AlreadyReducedError)
+    # qsgd is unbiased but lossy: close to, not equal to, one device
+    assert 0 < results["qsgd"]["check_vma=False"] < 0.1
+    assert abs(results["qsgd"]["check_vma=False"] - results["qsgd"]["data_parallel_step"]) < 1e-6
 
 
 def test_all_reduce_tuple_axis_partly_summed():
