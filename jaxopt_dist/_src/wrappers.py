@@ -42,7 +42,7 @@ def mean_value(
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> tx = jd.mean_value(optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
       >>> def step(g, loss):
-      ...     return tx.update(g, tx.init(g), value=loss)[1].avg_value
+      ...     return tx.update(g, tx.init(g), value=loss)[1].best_value
       >>> jax.vmap(step, axis_name="data")(jnp.ones((2, 1)), jnp.array([1.0, 3.0]))
       Array([2., 2.], dtype=float32)
     """
