@@ -107,7 +107,8 @@ def _trace_placement(
     value in the other (``optax.MultiSteps`` accumulating gradients,
     finite-checks that skip a compressor's step): JAX rejects the mismatched
     branches before telling which leaf it was. Then the search goes the other
-    way: from "everything per-worker" (always consistent), groups of leaves
+    way: from "everything per-worker" (or everything but the integer scalars
+    when that does not type-check, as with optax.MultiSteps), groups of leaves
     are flipped to replicated, bisecting on failure, keeping every flip after
     which the trace still type-checks and the flipped leaves come out
     replicated.
