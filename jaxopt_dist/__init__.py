@@ -14,12 +14,13 @@ from jaxopt_dist._src.accounting import (
     hlo_collectives,
     project_step_time,
 )
+from jaxopt_dist._src.accumulate import AccumulateState, accumulate
 from jaxopt_dist._src.adasum import adasum, adasum_tree
 from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_params, partition_leaves
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.choco import ChocoGossipState, choco_gossip
-from jaxopt_dist._src.comm import UnboundAxisError
+from jaxopt_dist._src.comm import AlreadyReducedError, UnboundAxisError
 from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
@@ -69,11 +70,14 @@ from jaxopt_dist._src.sparsify import (
     threshold,
     top_k,
 )
+from jaxopt_dist._src.wrappers import mean_value
 
 __version__ = "0.1.0"
 
 __all__ = (
     "DEFAULT_AXIS_NAME",
+    "AccumulateState",
+    "AlreadyReducedError",
     "ApplyIfFiniteEverywhereState",
     "AverageParamsState",
     "AxisName",
@@ -105,6 +109,7 @@ __all__ = (
     "StepTime",
     "ThresholdState",
     "UnboundAxisError",
+    "accumulate",
     "adagrad",
     "adam",
     "adasum",
@@ -135,6 +140,7 @@ __all__ = (
     "loss_scale",
     "low_bit",
     "master_weights",
+    "mean_value",
     "mixing_matrix",
     "onebit_adam",
     "opt_state_placement",

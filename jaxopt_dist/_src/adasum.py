@@ -314,6 +314,7 @@ def adasum(
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         n = comm.require_axis(axis_name, "adasum")
+        comm.per_worker_share(updates, axis_name, linear=False, caller="adasum")  # raises if already summed
         leaves, treedef = jax.tree.flatten(updates)
         for x in leaves:
             if not jnp.issubdtype(x.dtype, jnp.floating):

@@ -31,6 +31,7 @@ def all_reduce(
     dtype: Any = None,
     flatten: bool = False,
     divide_before: bool = False,
+    invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Averages (or sums) the updates over all workers: synchronous data parallelism.
 
@@ -58,6 +59,16 @@ def all_reduce(
       divide_before: divide by the denominator before the sum, in the wire
         dtype, to keep float16 sums from overflowing; the default divides after
         the sum in the input dtype (more accurate).
+      invariant_updates: what an update leaf typed *invariant* (the same on
+        every worker) under ``jax.shard_map(check_vma=True)`` stands for. The
+        gradient of replicated parameters there comes back already summed over
+        the axis (autodiff turns the implicit broadcast into a ``psum``), so
+        ``"sum"`` (the default) takes such a leaf as the sum: the mean is
+        ``x / n`` (or ``x / denominator``), the sum ``x``, with no further
+        communication. Pass ``"mean"`` if you ``pmean``-ed the gradients
+        yourself, or ``"error"`` to reject invariant updates. Leaves that vary
+        over the axis (``vmap``, ``pmap``, ``check_vma=False``, per-worker
+        parameters) are all-reduced as usual; mixed trees are handled leaf by leaf.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` with an empty state.
@@ -66,7 +77,9 @@ def all_reduce(
       One all-reduce per leaf (or per dtype with ``flatten=True``), each worker
       sending and receiving the updates' size in the wire dtype (about
       ``2 (n-1)/n`` times that for a ring all-reduce). Outputs are replicated.
-      No state.
+      No state. Leaves that arrive already reduced (typed invariant under
+      ``shard_map(check_vma=True)``, see ``invariant_updates``) are not
+      communicated.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
@@ -80,6 +93,7 @@ def all_reduce(
     if reduction not in ("mean", "sum"):
         raise ValueError(f"`reduction` must be 'mean' or 'sum'; got {reduction!r}.")
     wire = _check_wire_dtype(dtype)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
     for flag, name in ((flatten, "flatten"), (divide_before, "divide_before")):
         if not isinstance(flag, bool):
             raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
@@ -99,6 +113,7 @@ def all_reduce(
             denominator=denominator,
             flatten=flatten,
             caller="all_reduce",
+            invariant_updates=invariant_updates,
         )
         return out, state
 

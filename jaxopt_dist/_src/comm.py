@@ -166,6 +166,7 @@ def reduce(
     denominator: Any = None,
     flatten: bool = False,
     caller: str | None = None,
+    invariant_updates: str = "sum",
 ) -> Any:
     """Sums or averages a pytree over ``axis_name``; outputs keep the input dtypes.
 
@@ -181,6 +182,11 @@ def reduce(
         (``"mean"`` only). A scalar, possibly traced.
       flatten: pack all leaves into one buffer per wire dtype, so the step
         issues a single all-reduce.
+      invariant_updates: what a leaf already reduced over the whole axis
+        (typed invariant under ``shard_map(check_vma=True)``) stands for:
+        ``"sum"`` or ``"mean"`` over the workers; it is not communicated again.
+        ``"error"`` rejects such leaves. Partly reduced leaves (a tuple axis)
+        go through :func:`per_worker_share`.
 
     Returns:
       A pytree like ``tree``, replicated on every worker.
@@ -191,6 +197,11 @@ def reduce(
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
+    reduced = reduced_axes(leaves, axis_name)
+    if any(reduced):
+        kw = dict(dtype=dtype, divide_before=divide_before, denominator=denominator, flatten=flatten)
+        out = _reduce_with_reduced(leaves, reduced, axis_name, reduction, invariant_updates, n, caller, kw)
+        return jax.tree.unflatten(treedef, out)
     denom = n if denominator is None else denominator
     out_dtypes = [jnp.result_type(x) for x in leaves]
     wire = [x.astype(dtype) if dtype is not None else x for x in leaves]
@@ -204,6 +215,44 @@ def reduce(
     if reduction == "mean" and not divide_before:
         out = [x / jnp.asarray(denom, x.dtype) for x in out]
     return jax.tree.unflatten(treedef, out)
+
+
+def _reduce_with_reduced(
+    leaves: list[Any],
+    reduced: list[tuple[Any, ...]],
+    axis_name: AxisName,
+    reduction: Reduction,
+    invariant_updates: str,
+    n: int,
+    caller: str | None,
+    kw: dict[str, Any],
+) -> list[Any]:
+    """:func:`reduce` of a list some of whose leaves are already reduced.
+
+    Leaves reduced over every axis of ``axis_name`` are final here (no
+    collective): the sum is ``x`` (``invariant_updates="sum"``) or ``n x``
+    (``"mean"``), the mean that divided by the denominator. The others are
+    reduced as usual, partly reduced ones as their :func:`per_worker_share`.
+    """
+    shares = per_worker_share(leaves, axis_name, invariant_updates=invariant_updates, caller=caller)
+    names = _names(axis_name)
+    full = [len(r) == len(names) for r in reduced]
+    rest = [i for i, f in enumerate(full) if not f]
+    out: list[Any] = list(leaves)
+    if rest:
+        done = reduce([shares[i] for i in rest], axis_name, reduction=reduction, caller=caller, **kw)
+        for i, x in zip(rest, done):
+            out[i] = x
+    denom = kw["denominator"]
+    for i in (i for i, f in enumerate(full) if f):
+        x = leaves[i]
+        if invariant_updates == "mean" and (reduction == "mean" and denom is None):
+            continue  # already the mean
+        total = x if invariant_updates == "sum" else x * jnp.asarray(n, x.dtype)
+        if reduction == "mean":
+            total = total / jnp.asarray(n if denom is None else denom, x.dtype)
+        out[i] = total.astype(x.dtype)
+    return out
 
 
 def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
@@ -411,3 +460,181 @@ def ppermute_packed(
         out.append(_from_bytes(received[:, offset : offset + nbytes], tuple(x.shape), x.dtype)[0])
         offset += nbytes
     return out
+
+
+# Updates that arrive already reduced.
+#
+# Inside ``jax.shard_map(check_vma=True)`` (and Flax's ``nnx.shard_map``), the
+# gradient of a replicated (invariant) parameter comes back typed invariant and
+# already SUMMED over the axis: autodiff transposes the implicit broadcast of
+# the parameter into a ``psum``. Summing it again would count every worker n
+# times, so the aggregators read the type of each leaf and treat an invariant
+# leaf as the sum over the workers it is invariant over.
+
+INVARIANT_MODES = ("sum", "mean", "error")
+
+
+class AlreadyReducedError(ValueError):
+    """Updates arrived already reduced over the axis where per-worker values are needed."""
+
+
+def check_invariant_mode(invariant_updates: Any) -> str:
+    """Validates an ``invariant_updates`` option (``"sum"``, ``"mean"`` or ``"error"``)."""
+    if invariant_updates not in INVARIANT_MODES:
+        raise ValueError(
+            f"`invariant_updates` must be one of {INVARIANT_MODES}; got {invariant_updates!r}. "
+            "It says what an update typed invariant (the same on every worker) under "
+            "jax.shard_map(check_vma=True) stands for: 'sum' (what jax.grad returns for "
+            "replicated parameters), 'mean' (you pmean-ed the gradients yourself) or "
+            "'error' (reject such updates)."
+        )
+    return invariant_updates
+
+
+def _vma_tracked(names: tuple[Any, ...]) -> bool:
+    """Whether values are typed varying/invariant over ``names`` here (check_vma=True).
+
+    With ``check_vma=False`` every value reads as invariant, so the type says
+    nothing; a cast of a constant tells the two apart (and is dead code).
+    """
+    probe = jax.lax.pcast(jnp.zeros((), jnp.float32), names, to="varying")
+    return bool(_varying_axes(probe))
+
+
+def reduced_axes(tree: Any, axis_name: AxisName) -> list[tuple[Any, ...]]:
+    """Per leaf of ``tree``: the axes of ``axis_name`` it is already reduced over.
+
+    Those are the manual axes of an enclosing ``jax.shard_map(check_vma=True)``
+    over which the leaf is typed invariant. Empty for every leaf under ``vmap``,
+    ``pmap``, ``check_vma=False`` or outside any map: there values carry no
+    type and are taken as per-worker.
+    """
+    leaves = jax.tree.leaves(tree)
+    manual = _manual_axes()
+    names = tuple(n for n in _names(axis_name) if n in manual)
+    if not names or not leaves or not _vma_tracked(names):
+        return [() for _ in leaves]
+    out = []
+    for x in leaves:
+        axes = _varying_axes(x) or frozenset()
+        out.append(tuple(n for n in names if n not in axes))
+    return out
+
+
+def _already_reduced_message(
+    tree: Any, reduced: list[tuple[Any, ...]], axis_name: AxisName, caller: str | None, linear: bool
+) -> str:
+    who = f"`{caller}`" if caller else "This transform"
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    bad = [p for p, r in zip(paths, reduced) if r]
+    first = repr(_names(axis_name)[0])
+    shown = ", ".join(p or "<root>" for p in bad[:3]) + (", ..." if len(bad) > 3 else "")
+    head = (
+        f"{who} received updates that arrived already summed over the axis {axis_name!r}: "
+        f"{len(bad)} of {len(paths)} leaves ({shown}) are typed invariant (the same on every "
+        "worker). That is what jax.grad returns for replicated parameters inside "
+        "jax.shard_map(check_vma=True) (and Flax's nnx.shard_map): JAX has already summed the "
+        "per-worker gradients. "
+    )
+    if linear:
+        return head + (
+            "It was built with invariant_updates='error'; pass invariant_updates='sum' (the "
+            "gradient of replicated parameters) or 'mean' (you pmean-ed them yourself) to accept "
+            "them, or make them per-worker as below."
+        )
+    return head + (
+        f"{who} is nonlinear and cannot recover each worker's gradient from their sum. "
+        "Differentiate with respect to a per-worker copy of the parameters: "
+        f"grads = jax.grad(loss_fn)(jax.lax.pcast(params, {first}, to='varying'), batch); "
+        "or run the shard_map with check_vma=False; or use jaxopt_dist.data_parallel_step, "
+        "which does this for you."
+    )
+
+
+def per_worker_share(
+    tree: Any,
+    axis_name: AxisName,
+    *,
+    invariant_updates: str = "sum",
+    linear: bool = True,
+    caller: str | None = None,
+) -> Any:
+    """Turns already-reduced leaves into per-worker shares with the same total.
+
+    A leaf typed invariant over axes ``R`` of ``axis_name`` (see
+    :func:`reduced_axes`) stands for the sum over the workers of ``R``
+    (``invariant_updates="sum"``) or their mean (``"mean"``). It is replaced by
+    ``x / |R|`` (resp. ``x``), cast to varying, so that a later sum or mean over
+    ``axis_name`` gives exactly the total or mean it stands for. Transforms whose
+    output depends only on the mean of their inputs (all-reduce, random-k and
+    block-k with shared indices, PowerSGD) are then exact.
+
+    Raises:
+      AlreadyReducedError: some leaf is already reduced and ``linear`` is False
+        (the caller is nonlinear) or ``invariant_updates == "error"``.
+    """
+    check_invariant_mode(invariant_updates)
+    reduced = reduced_axes(tree, axis_name)
+    if not any(reduced):
+        return tree
+    if not linear or invariant_updates == "error":
+        raise AlreadyReducedError(_already_reduced_message(tree, reduced, axis_name, caller, linear))
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, axes in zip(leaves, reduced):
+        if axes:
+            if invariant_updates == "sum":
+                size = math.prod(axis_size(a, caller=caller) for a in axes)
+                x = (x / jnp.asarray(size, x.dtype)).astype(x.dtype)
+            x = jax.lax.pcast(x, axes, to="varying")
+        out.append(x)
+    return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------
+# Branches that disagree on varying/invariant.
+
+
+def _type_varying(x: Any) -> frozenset[Any]:
+    """Varying axes of an array or of a ``jax.eval_shape`` result (empty if untracked)."""
+    mat = getattr(x, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(x, "vma", None)
+    if vma is not None:
+        return frozenset(vma)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return frozenset()
+    return _varying_axes(x) or frozenset()
+
+
+def _cast_to_union(tree: Any, *others: Any) -> Any:
+    """Casts each leaf of ``tree`` to varying over the axes any of ``others`` varies over."""
+
+    def cast(x, *likes):
+        want = frozenset().union(*(_type_varying(y) for y in likes))
+        missing = tuple(sorted(want - _type_varying(x), key=str))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree, *others)
+
+
+def cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
+    """``jax.lax.cond`` whose branches may differ in varying/invariant typing.
+
+    Under ``jax.shard_map(check_vma=True)`` both branches of a ``cond`` must
+    return the same types, invariant or varying alike; a branch that returns a
+    constant (zero updates, an unchanged replicated state) where the other
+    returns a per-worker value fails to trace. Each output leaf here is cast to
+    varying over every axis it varies over in either branch. A no-op cast
+    outside shard_map. ``pred`` should be the same on every worker (e.g. from
+    a replicated counter): the branches may communicate.
+    """
+    t_shape = jax.eval_shape(true_fn, *operands)
+    f_shape = jax.eval_shape(false_fn, *operands)
+    return jax.lax.cond(
+        pred,
+        lambda *ops: _cast_to_union(true_fn(*ops), f_shape),
+        lambda *ops: _cast_to_union(false_fn(*ops), t_shape),
+        *operands,
+    )

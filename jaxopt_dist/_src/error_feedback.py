@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxopt_dist._src import comm
+
 
 class CompressFn(Protocol):
     def __call__(
@@ -66,11 +68,29 @@ class Compressor(NamedTuple):
         dtypes and shapes. The residual kept is ``updates - contribution``.
       codec: the same message encoded and decoded locally (a :class:`Codec`),
         or None where the scheme cannot work without its collectives.
+      axis_name: the axis ``compress`` communicates over. When set,
+        :func:`error_feedback` checks the incoming updates for leaves that
+        arrived already summed over it (typed invariant under
+        ``jax.shard_map(check_vma=True)``, see :func:`jaxopt_dist.all_reduce`)
+        before adding the residual. None skips the check.
+      name: the compressor's name, for error messages.
+      invariant_updates: what an already-summed leaf stands for: ``"sum"`` or
+        ``"mean"`` over the workers, for compressors whose output depends
+        only on the mean of their inputs (the leaf becomes the per-worker
+        share ``x / n``, resp. ``x``); ``"error"`` (the default, and the only
+        choice for nonlinear compressors) raises an error that shows the fix.
+      linear: whether the output depends only on the mean of the inputs over
+        the workers (random-k, block-k, PowerSGD). Nonlinear compressors
+        always reject already-summed updates.
     """
 
     init: Callable[[optax.Params], optax.OptState]
     compress: CompressFn
     codec: Codec | None = None
+    axis_name: Any = None
+    name: str | None = None
+    invariant_updates: str = "error"
+    linear: bool = False
 
 
 _WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], Compressor] = weakref.WeakKeyDictionary()
@@ -131,6 +151,7 @@ def error_feedback(
         raise TypeError(f"`compressor` must be a jaxopt_dist.Compressor; got {type(compressor).__name__}.")
     if not isinstance(enabled, bool):
         raise TypeError(f"`enabled` must be a bool; got {enabled!r}.")
+    comm.check_invariant_mode(compressor.invariant_updates)
 
     def init_fn(params):
         residual = jax.tree.map(jnp.zeros_like, params) if enabled else ()
@@ -139,6 +160,14 @@ def error_feedback(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
+        if compressor.axis_name is not None:
+            updates = comm.per_worker_share(
+                updates,
+                compressor.axis_name,
+                invariant_updates=compressor.invariant_updates,
+                linear=compressor.linear,
+                caller=compressor.name,
+            )
         if enabled:
             corrected = jax.tree.map(
                 lambda g, e: (g + e.astype(g.dtype)).astype(g.dtype), updates, state.residual

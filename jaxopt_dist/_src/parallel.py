@@ -143,7 +143,8 @@ def _trace_placement(
     (``optax.MultiSteps`` accumulating gradients, finite-checks that skip a
     compressor's step): JAX rejects the mismatched branches before telling
     which leaf it was. Then the search goes the other way: from "everything
-    per-worker over every axis" (always consistent), groups of leaves are
+    per-worker over every axis" (or everything but the integer scalars when
+    that does not type-check, as with optax.MultiSteps), groups of leaves are
     flipped to replicated, bisecting on failure, keeping every flip after
     which the trace still type-checks and the flipped leaves come out
     replicated.
@@ -226,13 +227,6 @@ def _trace_placement(
     else:  # pragma: no cover - the loop above always converges
         return done(varying, updates_varying)
 
-    # 2. Refine down from "all per-worker".
-    varying = [every] * num
-    try:
-        out, updates_varying = trace(varying)
-    except Exception:
-        raise first_error from None
-
     def consistent(cand: list[tuple[Any, ...]]) -> tuple[list[tuple[Any, ...]], bool] | None:
         try:
             out, upd = trace(cand)
@@ -241,6 +235,19 @@ def _trace_placement(
         if any(set(o) - set(c) for o, c in zip(out, cand)):
             return None  # a leaf came out varying over an axis assumed replicated
         return out, upd
+
+    # 2. Refine down from "all per-worker" or, where a per-worker step counter
+    # makes a cond's branches disagree (optax.MultiSteps: a per-worker counter
+    # makes its updates per-worker, its skip branch returns replicated zeros),
+    # from "all per-worker but the integer scalars".
+    counters = [np.ndim(x) == 0 and not jnp.issubdtype(x.dtype, jnp.inexact) for x in s_leaves]
+    for varying in ([every] * num, [() if c else every for c in counters]):
+        res = consistent(varying)
+        if res is not None:
+            updates_varying = res[1]
+            break
+    else:
+        raise _explain_wrapper_error(first_error) from None
 
     def refine(varying: list[tuple[Any, ...]], idxs: list[int]) -> list[tuple[Any, ...]]:
         nonlocal updates_varying
@@ -264,6 +271,37 @@ def _trace_placement(
             break
         varying = new
     return done(varying, updates_varying)
+
+
+# optax wrappers whose lax.cond cannot type-check (or be right) with per-worker
+# inputs, found by the file of the branch functions in JAX's error message.
+_WRAPPER_FIXES = (
+    (
+        "_conditionality.py",
+        "optax.apply_if_finite decides on each worker from that worker's gradients, so one "
+        "worker could skip a step (and its collectives) while the others take it. Use "
+        "jaxopt_dist.apply_if_finite_everywhere(inner, max_consecutive_errors, axis_name=...), "
+        "which skips on every worker together.",
+    ),
+    (
+        "_reduce_on_plateau.py",
+        "optax.contrib.reduce_on_plateau received this worker's own loss as `value`, so every "
+        "worker would keep its own learning-rate scale. Give it the mean loss: wrap it as "
+        "jaxopt_dist.mean_value(optax.contrib.reduce_on_plateau(...), axis_name=...), or pass "
+        "value=jax.lax.pmean(loss, axis_name) in your own loop.",
+    ),
+)
+
+
+def _explain_wrapper_error(e: Exception) -> Exception:
+    """A clearer error for the optax wrappers that cannot run per-worker; else ``e``."""
+    text = str(e)
+    if "cond branches must have equal output types" not in text:
+        return e
+    for marker, fix in _WRAPPER_FIXES:
+        if marker in text:
+            return TypeError(f"{fix} (JAX reported: {text.splitlines()[0]})")
+    return e
 
 
 def _with_sharding(tree: Any, sharding: Any) -> Any:

@@ -266,6 +266,7 @@ def powersgd(
     one_allreduce: bool = False,
     seed: int = 0,
     eps: optax.ScalarOrSchedule = 0.0,
+    invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""PowerSGD: rank-``r`` compression of the mean gradient, with error feedback.
 
@@ -332,6 +333,12 @@ def powersgd(
       eps: added to column norms in the orthogonalization (PyTorch's
         ``orthogonalization_epsilon``); 0 normalizes exactly and still maps
         zero columns to zero.
+      invariant_updates: what an update leaf typed invariant under
+        ``jax.shard_map(check_vma=True)`` stands for: ``"sum"`` over the
+        workers (the gradient of replicated parameters; the default) or
+        ``"mean"`` (gradients you pmean-ed yourself). PowerSGD depends only on
+        the mean of its inputs, so it runs on ``sum / n`` (resp. the mean) as
+        every worker's share. ``"error"`` rejects such updates.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -394,6 +401,7 @@ def powersgd(
             "aggregated on the previous step."
         )
     mcr = float(min_compression_rate)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
     seed = int(seed)
 
     def plan_of(leaves) -> _Plan:
@@ -530,4 +538,12 @@ def powersgd(
             new_state,
         )
 
-    return ef.error_feedback(ef.Compressor(init=init_fn, compress=compress), enabled=error_feedback)
+    compressor = ef.Compressor(
+        init=init_fn,
+        compress=compress,
+        axis_name=axis_name,
+        name="powersgd",
+        invariant_updates=invariant_updates,
+        linear=True,
+    )
+    return ef.error_feedback(compressor, enabled=error_feedback)

@@ -87,7 +87,9 @@ def _majority_vote_compressor(axis_name: base.AxisName) -> ef.Compressor:
         own = _unpack_signs(_pack_signs(leaves), total, jnp.float32)
         return _split(vote, leaves, treedef), _split(own, leaves, treedef), state
 
-    return ef.Compressor(lambda params: optax.EmptyState(), compress)
+    return ef.Compressor(
+        lambda params: optax.EmptyState(), compress, axis_name=axis_name, name="sign_majority_vote"
+    )
 
 
 def sign_majority_vote(
@@ -170,7 +172,13 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
         mean = summed / jnp.float32(n)
         return _split(mean, leaves, treedef), _split(decode(packed, scales), leaves, treedef), state
 
-    return ef.Compressor(lambda params: optax.EmptyState(), compress, _scaled_sign_codec())
+    return ef.Compressor(
+        lambda params: optax.EmptyState(),
+        compress,
+        _scaled_sign_codec(),
+        axis_name=axis_name,
+        name="scaled_sign",
+    )
 
 
 def _scaled_sign_codec() -> ef.Codec:
@@ -402,7 +410,9 @@ def _qsgd_compressor(
             QSGDState(key=key),
         )
 
-    return ef.Compressor(init, compress, _qsgd_codec(levels, bucket_size, axis_name))
+    return ef.Compressor(
+        init, compress, _qsgd_codec(levels, bucket_size, axis_name), axis_name=axis_name, name="qsgd"
+    )
 
 
 def _qsgd_codec(levels: int, bucket_size: int | None, axis_name: base.AxisName) -> ef.Codec:

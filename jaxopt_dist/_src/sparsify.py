@@ -224,7 +224,7 @@ def _top_k_compressor(
     codec = (
         _sparse_codec(lambda tree: _leaf_plan(_sizes(tree), k, density, "top_k"), pick) if per_leaf else None
     )
-    return ef.Compressor(init, compress, codec)
+    return ef.Compressor(init, compress, codec, axis_name=axis_name, name="top_k")
 
 
 def _sparse_codec(plan_of: Callable[[Any], list[int | None]], pick: Callable[..., Any]) -> ef.Codec:
@@ -402,7 +402,7 @@ def _threshold_compressor(
         new_state = ThresholdState(count=jnp.asarray(optax.safe_increment(state.count)))
         return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), new_state
 
-    return ef.Compressor(init, compress)
+    return ef.Compressor(init, compress, axis_name=axis_name, name="threshold")
 
 
 def threshold(
@@ -511,6 +511,7 @@ def _shared_compressor(
     caller: str,
     state_cls: Callable[..., Any],
     pick: Callable[..., tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]]],
+    invariant_updates: str = "sum",
 ) -> ef.Compressor:
     """``pick(step_key_for_leaf, size, k) -> (take, put)``: ``take`` reads the k sent
     entries of a flat leaf, ``put`` writes k values back into a zero leaf."""
@@ -568,7 +569,15 @@ def _shared_compressor(
         out = [m if tp is None else tp[1](m) for m, tp in zip(message, plan_and_puts(like, state))]
         return _unflatten(treedef, leaves, out)
 
-    return ef.Compressor(init, compress, ef.Codec(encode, decode))
+    return ef.Compressor(
+        init,
+        compress,
+        ef.Codec(encode, decode),
+        axis_name=axis_name,
+        name=caller,
+        invariant_updates=invariant_updates,
+        linear=True,
+    )
 
 
 def _pick_random(step_key, leaf, size, k):
@@ -599,6 +608,7 @@ def random_k(
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     error_feedback: bool = True,
     seed: int = 0,
+    invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Random-k sparsification with indices shared by all workers.
 
@@ -627,6 +637,11 @@ def random_k(
       axis_name: the mapped axis (or tuple of axes) of the workers.
       error_feedback: keep the unsent part in a per-worker residual.
       seed: seeds the shared key (Python int >= 0).
+      invariant_updates: what an update leaf typed invariant under
+        ``jax.shard_map(check_vma=True)`` stands for: ``"sum"`` over the
+        workers (the gradient of replicated parameters; the default), or
+        ``"mean"`` (gradients you pmean-ed yourself); either way the output
+        depends only on the mean, so it is exact. ``"error"`` rejects them.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -649,7 +664,10 @@ def random_k(
     axis_name = base.validate_axis_name(axis_name)
     _check_bool(error_feedback, "error_feedback")
     seed = _check_seed(seed)
-    comp = _shared_compressor(k, density, seed, axis_name, "random_k", RandomKState, _pick_random)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
+    comp = _shared_compressor(
+        k, density, seed, axis_name, "random_k", RandomKState, _pick_random, invariant_updates
+    )
     return ef.error_feedback(comp, enabled=error_feedback)
 
 
@@ -660,6 +678,7 @@ def block_k(
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     error_feedback: bool = True,
     seed: int = 0,
+    invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Block sparsification: a random contiguous block of k entries, shared by all workers.
 
@@ -682,6 +701,11 @@ def block_k(
       axis_name: the mapped axis (or tuple of axes) of the workers.
       error_feedback: keep the unsent part in a per-worker residual.
       seed: seeds the shared key (Python int >= 0).
+      invariant_updates: what an update leaf typed invariant under
+        ``jax.shard_map(check_vma=True)`` stands for: ``"sum"`` over the
+        workers (the gradient of replicated parameters; the default), or
+        ``"mean"`` (gradients you pmean-ed yourself); either way the output
+        depends only on the mean, so it is exact. ``"error"`` rejects them.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -700,5 +724,8 @@ def block_k(
     axis_name = base.validate_axis_name(axis_name)
     _check_bool(error_feedback, "error_feedback")
     seed = _check_seed(seed)
-    comp = _shared_compressor(k, density, seed, axis_name, "block_k", BlockKState, _pick_block)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
+    comp = _shared_compressor(
+        k, density, seed, axis_name, "block_k", BlockKState, _pick_block, invariant_updates
+    )
     return ef.error_feedback(comp, enabled=error_feedback)
