@@ -23,8 +23,9 @@ statistics instead, averaged in the model for evaluation); each worker
 draws its own dropout masks, new every step; the metrics count every worker's
 examples and come back replicated. ``eval_step`` stays ``@nnx.jit``.
 
-In ``main`` the two variants are chosen by ``--method``; the lines marked
-``# [data-parallel]`` are the changed ones.
+In ``main`` the two variants are chosen by ``--method`` (``tx`` is
+``optax.adamw(learning_rate, momentum)``, or SGD with ``--sgd``); the lines
+marked ``# [data-parallel]`` are the changed ones.
 
 Run ``python examples/flax_nnx_batchnorm.py --method dense`` (8 simulated
 devices on a CPU), ``--method single`` for the one-device loop, or
@@ -138,7 +139,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=128, help="global batch size")
     ap.add_argument("--learning-rate", type=float, default=0.005)
-    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--momentum", type=float, default=0.9, help="AdamW's b1, or SGD's momentum")
+    ap.add_argument("--sgd", action="store_true", help="SGD with momentum instead of AdamW")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if not 1 <= args.workers <= jax.device_count():
@@ -147,16 +149,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("--batch-size must be divisible by --workers, and --epochs positive")
     (x_train, y_train), (x_test, y_test) = load_data(args.seed)
     learning_rate, momentum = args.learning_rate, args.momentum
+    tx = optax.sgd(learning_rate, momentum) if args.sgd else optax.adamw(learning_rate, momentum)
 
     model = CNN(rngs=nnx.Rngs(args.seed))
     metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
     if args.method == "single":
-        optimizer = nnx.Optimizer(model, optax.adamw(learning_rate, momentum), wrt=nnx.Param)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         step = nnx.jit(train_step)
     else:
         mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[: args.workers])  # [data-parallel] (3)
         aggregate = jd.all_reduce() if args.method == "dense" else jd.powersgd(rank=args.rank)
-        optimizer = jnnx.Optimizer(model, optax.chain(aggregate, optax.adamw(learning_rate, momentum)), wrt=nnx.Param)  # [data-parallel] (4)
+        optimizer = jnnx.Optimizer(model, optax.chain(aggregate, tx), wrt=nnx.Param)  # [data-parallel] (4)
         step = jnnx.data_parallel(train_step, mesh=mesh, batch_stats=args.batch_stats)  # [data-parallel] (5)
 
     history: dict[str, list[float]] = {"train_loss": [], "train_accuracy": []}
