@@ -16,6 +16,9 @@ mean and range over seeds):
    non-parameter state carried unchanged: running statistics never updated,
    one dropout key for every worker and step).
 
+3. ``--study linen``: the same for the linen ``TrainState`` loop of
+   ``examples/flax_linen_batchnorm.py``.
+
 Run ``python benchmarks/bench_flax_batchnorm.py --study drop --seeds 0,1,2``.
 """
 
@@ -37,6 +40,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import flax_linen_batchnorm as ex_linen  # noqa: E402
 import flax_nnx_batchnorm as ex  # noqa: E402
 
 import jaxopt_dist as jd  # noqa: E402
@@ -78,7 +82,17 @@ def readme_recipe(seed: int, epochs: int, lr: float, momentum: float, workers: i
 
 
 def run(study: str, seeds: list[int], epochs: int) -> None:
-    if study == "acceptance":
+    main = ex.main
+    if study == "linen":
+        main = ex_linen.main
+        common = ["--epochs", str(epochs)]
+        rows = {
+            "linen, one device (jax.jit)": ["--method", "single"],
+            "linen, 8 workers, all_reduce, averaged running stats": ["--method", "dense"],
+            "linen, 8 workers, all_reduce, SyncBN (axis_name)": ["--method", "dense", "--sync-bn"],
+            "linen, 8 workers, powersgd(rank=2)": ["--method", "powersgd"],
+        }
+    elif study == "acceptance":
         common = ["--epochs", str(epochs)]
         rows = {
             "one device (nnx.Optimizer, nnx.jit)": ["--method", "single"],
@@ -91,11 +105,18 @@ def run(study: str, seeds: list[int], epochs: int) -> None:
         rows = {
             "one device": ["--method", "single"],
             "jaxopt_dist.nnx, SyncBN": ["--method", "dense"],
-            "jaxopt_dist.nnx, per-worker BN stats (16 examples)": ["--method", "dense", "--batch-stats", "per_worker"],
+            "jaxopt_dist.nnx, per-worker BN stats (16 examples)": [
+                "--method",
+                "dense",
+                "--batch-stats",
+                "per_worker",
+            ],
             "jaxopt_dist.nnx, SyncBN, eval with initial running stats": ["--method", "dense", "RESET"],
             "former README recipe (stats and RNG state dropped)": ["README"],
         }
-    print(f"study={study} epochs={epochs} seeds={seeds} devices={jax.device_count()} ({jax.devices()[0].platform})")
+    print(
+        f"study={study} epochs={epochs} seeds={seeds} devices={jax.device_count()} ({jax.devices()[0].platform})"
+    )
     print("| run | test accuracy, mean | min - max | seconds per run |")
     print("|---|---:|---:|---:|")
     for name, extra in rows.items():
@@ -107,7 +128,7 @@ def run(study: str, seeds: list[int], epochs: int) -> None:
                 continue
             reset = "RESET" in extra
             argv = [a for a in extra if a != "RESET"] + common + ["--seed", str(seed)]
-            result = ex.main(argv)
+            result = main(argv)
             if reset:
                 _reset_running_stats(result["model"])
                 accs.append(_eval(result["model"]))
@@ -122,8 +143,8 @@ def run(study: str, seeds: list[int], epochs: int) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--study", choices=("acceptance", "drop"), default="acceptance")
+    ap.add_argument("--study", choices=("acceptance", "drop", "linen"), default="acceptance")
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--epochs", type=int, default=None, help="default: 10 (acceptance), 5 (drop)")
+    ap.add_argument("--epochs", type=int, default=None, help="default: 10 (acceptance, linen), 5 (drop)")
     a = ap.parse_args()
-    run(a.study, [int(s) for s in a.seeds.split(",")], a.epochs or (10 if a.study == "acceptance" else 5))
+    run(a.study, [int(s) for s in a.seeds.split(",")], a.epochs or (5 if a.study == "drop" else 10))

@@ -63,7 +63,9 @@ class CNN(nn.Module):
         bn = lambda: nn.BatchNorm(use_running_average=not train, axis_name=self.axis_name)  # noqa: E731
         x = nn.Dropout(rate=0.025, deterministic=not train)(nn.Conv(32, kernel_size=(3, 3))(x))
         x = nn.avg_pool(nn.relu(bn()(x)), window_shape=(2, 2), strides=(2, 2))
-        x = nn.avg_pool(nn.relu(bn()(nn.Conv(64, kernel_size=(3, 3))(x))), window_shape=(2, 2), strides=(2, 2))
+        x = nn.avg_pool(
+            nn.relu(bn()(nn.Conv(64, kernel_size=(3, 3))(x))), window_shape=(2, 2), strides=(2, 2)
+        )
         x = x.reshape(x.shape[0], -1)  # flatten
         x = nn.relu(nn.Dropout(rate=0.025, deterministic=not train)(nn.Dense(256)(x)))
         return nn.Dense(10)(x)
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       A dict with ``test_accuracy``, ``train_loss`` (mean of the last epoch),
       ``losses``, ``steps``, ``method``, ``workers`` and the final ``state``.
     """
-    ap = argparse.ArgumentParser(description="A linen TrainState loop with BatchNorm on digits, data-parallel.")
+    ap = argparse.ArgumentParser(
+        description="A linen TrainState loop with BatchNorm on digits, data-parallel."
+    )
     ap.add_argument("--method", choices=METHODS, default="dense")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch (axis_name)")
@@ -150,9 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for batch in batches(x_train, y_train, args.batch_size, args.epochs, args.seed):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    logits = model.apply(
-        {"params": state.params, "batch_stats": state.batch_stats}, x_test, train=False
-    )
+    logits = model.apply({"params": state.params, "batch_stats": state.batch_stats}, x_test, train=False)
     accuracy = float(np.mean(np.argmax(np.asarray(logits), -1) == y_test))
     steps_per_epoch = len(x_train) // args.batch_size
     result = {
@@ -166,7 +168,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(
         f"flax linen TrainState CNN on digits, {args.method}"
-        + ("" if single else f" ({args.workers} workers, {'SyncBN' if args.sync_bn else 'averaged running stats'})")
+        + (
+            ""
+            if single
+            else f" ({args.workers} workers, {'SyncBN' if args.sync_bn else 'averaged running stats'})"
+        )
         + f": {len(losses)} steps of {args.batch_size}; last epoch train loss {result['train_loss']:.3f}, "
         f"test accuracy {100 * accuracy:.1f}% on {len(y_test)} examples"
     )

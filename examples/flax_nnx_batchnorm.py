@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         step = nnx.jit(train_step)
     else:
-        mesh = jax.make_mesh((args.workers,), ("data",), devices=jax.devices()[: args.workers])  # [data-parallel] (3)
+        mesh = jax.make_mesh(
+            (args.workers,), ("data",), devices=jax.devices()[: args.workers]
+        )  # [data-parallel] (3)
         aggregate = jd.all_reduce() if args.method == "dense" else jd.powersgd(rank=args.rank)
         optimizer = jnnx.Optimizer(model, optax.chain(aggregate, tx), wrt=nnx.Param)  # [data-parallel] (4)
         step = jnnx.data_parallel(train_step, mesh=mesh, batch_stats=args.batch_stats)  # [data-parallel] (5)

@@ -155,7 +155,10 @@ def _train_step(model, optimizer, metrics, batch):
 
 def _batch(seed, size):
     rng = np.random.default_rng(seed)
-    return {"x": rng.normal(size=(size, 4)).astype(np.float32), "y": rng.integers(0, 3, size).astype(np.int32)}
+    return {
+        "x": rng.normal(size=(size, 4)).astype(np.float32),
+        "y": rng.integers(0, 3, size).astype(np.int32),
+    }
 
 
 def _metrics():
@@ -198,7 +201,10 @@ def test_powersgd_keeps_residuals_per_worker_and_params_replicated(n):
     for leaf in jax.tree.leaves(nnx.state(model)):
         _assert_replicated(leaf)
     (ef,) = [
-        s for s in jax.tree.leaves(nnx.as_pure(opt.opt_state), is_leaf=lambda s: isinstance(s, jd.ErrorFeedbackState))
+        s
+        for s in jax.tree.leaves(
+            nnx.as_pure(opt.opt_state), is_leaf=lambda s: isinstance(s, jd.ErrorFeedbackState)
+        )
         if isinstance(s, jd.ErrorFeedbackState)
     ]
     kernel = ef.residual["l1"]["kernel"]

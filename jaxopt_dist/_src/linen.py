@@ -36,7 +36,7 @@ import optax
 from flax.training import train_state
 
 from jaxopt_dist._src import base, comm, parallel
-from jaxopt_dist._src.nnx import _ACTIVE, _Trace, _replicated_output, _tracing
+from jaxopt_dist._src.nnx import _ACTIVE, _replicated_output, _Trace, _tracing
 
 P = jax.sharding.PartitionSpec
 _BATCH_STATS = ("sync", "per_worker")
@@ -100,7 +100,9 @@ class DataParallelTrainState:
     def _placement(self, state: TrainState) -> Any:
         """A TrainState of bools: True for per-worker (stacked) leaves."""
         local_params = parallel._abstract(state.params)
-        placement = parallel.opt_state_placement(state.tx, local_params, mesh=self.mesh, axis_name=self.axis_name)
+        placement = parallel.opt_state_placement(
+            state.tx, local_params, mesh=self.mesh, axis_name=self.axis_name
+        )
         if placement.updates_per_worker:
             raise ValueError(
                 "The optimizer's updates differ between workers, so the replicated parameters "
@@ -273,7 +275,9 @@ def data_parallel(
     if batch_stats not in _BATCH_STATS:
         raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}.")
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
+        )
     parallel._mesh_axis_size(mesh, axis_name)
     auto = jax.sharding.Mesh(
         mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)

@@ -100,7 +100,10 @@ class Optimizer(nnx.Optimizer):
         params = nnx.as_pure(nnx.state(model, wrt))
         leaves, treedef = jax.tree.flatten(params)
         # Static (hashable) description of one copy of the parameters, for the placement.
-        self.param_struct = (treedef, tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves))
+        self.param_struct = (
+            treedef,
+            tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves),
+        )
 
     def abstract_params(self) -> Any:
         treedef, leaves = self.param_struct
@@ -263,7 +266,8 @@ class DataParallel:
             if sync:
                 for _, module in nnx.iter_graph(nodes):
                     if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
-                        module.axis_name = axis_name
+                        # flax annotates a str; jax.lax.pmean also takes a tuple of axes.
+                        setattr(module, "axis_name", axis_name)
             args, node_iter, batch_iter = [], iter(nodes), iter(batch)
             for i in range(nargs):
                 args.append(next(batch_iter) if i in batch_pos else next(node_iter))
@@ -283,7 +287,9 @@ class DataParallel:
 
         return body
 
-    def _build(self, key: Any, graphdef: Any, treedef: Any, leaves: list[_Leaf], batch: Any, batch_pos, nargs):
+    def _build(
+        self, key: Any, graphdef: Any, treedef: Any, leaves: list[_Leaf], batch: Any, batch_pos, nargs
+    ):
         spec = parallel._spec(self.axis_name)
         v_spec = [spec if leaf.per_worker else P() for leaf in leaves]
         b_spec = jax.tree.map(lambda _: spec, batch)
@@ -474,7 +480,9 @@ def data_parallel(
     if batch_stats not in _BATCH_STATS:
         raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}.")
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
+        )
     parallel._mesh_axis_size(mesh, axis_name)
     if max_steps_in_flight is not None:
         max_steps_in_flight = base.check_positive_int(max_steps_in_flight, "max_steps_in_flight")
