@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -267,7 +267,7 @@ class DataParallel:
                 for _, module in nnx.iter_graph(nodes):
                     if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
                         # flax annotates a str; jax.lax.pmean also takes a tuple of axes.
-                        setattr(module, "axis_name", axis_name)
+                        module.axis_name = cast(Any, axis_name)
             args, node_iter, batch_iter = [], iter(nodes), iter(batch)
             for i in range(nargs):
                 args.append(next(batch_iter) if i in batch_pos else next(node_iter))
