@@ -59,7 +59,7 @@ def _setup(n, *, axis_name=None, tx=None, seed=0):
     model = _Net(axis_name=axis_name)
     rng = np.random.default_rng(seed)
     batch = {
-        "x": rng.normal(1.0, 2.0, size=(4 * n, 5)).astype(np.float32),
+        "x": rng.normal(1.0, 2.0, size=(4 * n, 16)).astype(np.float32),
         "y": rng.integers(0, 3, 4 * n).astype(np.int32),
     }
     variables = model.init(jax.random.key(0), batch["x"][:1], train=False)
@@ -121,7 +121,7 @@ def test_powersgd_state_params_replicated_residuals_per_worker(n):
         if isinstance(s, jd.ErrorFeedbackState)
     ]
     kernel = ef.residual["Dense_0"]["kernel"]
-    assert kernel.shape == (n, 5, 3)
+    assert kernel.shape == (n, 16, 3)  # compressed: rank 1 sends 19 of 48 values
     assert not np.array_equal(np.asarray(kernel[0]), np.asarray(kernel[1]))
 
 
