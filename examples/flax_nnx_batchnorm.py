@@ -3,7 +3,7 @@
 The model, loss, train and eval steps and the loop below are those of the
 official Flax NNX MNIST tutorial, with the CNN adapted to scikit-learn's 8x8
 digits (bundled with scikit-learn, no download). One device runs them as
-written; data parallelism over a mesh changes four lines::
+written; data parallelism over a mesh changes five lines (three added, two edited)::
 
     import jaxopt_dist as jd                                   # + (1)
     from jaxopt_dist import nnx as jnnx                        # + (2)
