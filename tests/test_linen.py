@@ -137,6 +137,7 @@ def test_bad_inputs_raise_clear_errors():
         jlinen.data_parallel(_step, mesh=mesh)(state, {k: v[:3] for k, v in batch.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.devices(4)
 def test_linen_example_trains(capsys):
     example = helpers.load_example("flax_linen_batchnorm")

@@ -242,6 +242,7 @@ def test_importing_jaxopt_dist_does_not_import_flax():
     subprocess.run([sys.executable, "-c", code], check=True, env=helpers.child_env(devices=1))
 
 
+@pytest.mark.slow
 @pytest.mark.devices(4)
 def test_tutorial_example_trains(capsys):
     example = helpers.load_example("flax_nnx_batchnorm")
