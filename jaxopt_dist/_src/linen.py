@@ -1,0 +1,291 @@
+"""Flax linen ``TrainState`` steps with BatchNorm statistics and dropout keys under data parallelism.
+
+:func:`data_parallel` replaces ``@jax.jit`` on a linen training step
+``train_step(state, batch) -> (state, metrics)`` written for one device, with
+:class:`TrainState` (``flax.training.train_state.TrainState`` plus
+``batch_stats``) as its state. The step runs under ``jax.shard_map`` with the
+batch split along the data axis:
+
+* ``state.params``: replicated; gradients are per worker, ``tx`` aggregates
+  them, and :meth:`TrainState.apply_gradients` keeps the parameters replicated.
+* ``state.opt_state``: placed as :func:`jaxopt_dist.data_parallel_step` places
+  it (error-feedback residuals stacked along a leading worker axis).
+* ``state.batch_stats``: ``"sync"`` keeps them replicated. A BatchNorm built
+  with ``axis_name`` equal to the data axis normalizes with the global batch's
+  statistics (SyncBN); one built without it normalizes with each worker's
+  shard, and its new running statistics are averaged over the workers.
+  ``"per_worker"`` keeps one set per worker (stacked) and never communicates.
+* PRNG keys in the state (typed, ``jax.random.key``): each worker sees
+  ``fold_in(key, worker_index)``; the state keeps the original key.
+* ``metrics``: floats averaged over workers, replicated.
+
+This module imports flax; ``import jaxopt_dist`` does not.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+from jaxopt_dist._src import base, comm, parallel
+from jaxopt_dist._src.nnx import _ACTIVE, _replicated_output, _Trace, _tracing
+
+P = jax.sharding.PartitionSpec
+_BATCH_STATS = ("sync", "per_worker")
+
+
+class TrainState(train_state.TrainState):
+    """``flax.training.train_state.TrainState`` with ``batch_stats``, for :func:`data_parallel`.
+
+    Attributes:
+      batch_stats: the model's ``"batch_stats"`` collection (or None).
+      key: an optional typed PRNG key (``jax.random.key``) for dropout; inside
+        :func:`data_parallel` each worker sees its own ``fold_in(key, worker)``.
+
+    Outside :func:`data_parallel` it behaves as the flax class.
+    """
+
+    batch_stats: Any = None
+    key: Any = None
+
+    def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
+        """Steps ``tx``; inside :func:`data_parallel`, on the replicated parameters."""
+        if not _ACTIVE:
+            return super().apply_gradients(grads=grads, **kwargs)
+        trace = _ACTIVE[-1]
+
+        def replicated(x):
+            original = trace.original(x)
+            return x if original is None else original
+
+        params = jax.tree.map(replicated, self.params)
+        updates, new_opt_state = self.tx.update(grads, self.opt_state, params)
+        return self.replace(
+            step=self.step + 1,
+            params=optax.apply_updates(params, updates),
+            opt_state=new_opt_state,
+            **kwargs,
+        )
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
+
+
+@dataclasses.dataclass
+class DataParallelTrainState:
+    """A linen training step over a mesh; see :func:`data_parallel`."""
+
+    fn: Callable[..., Any]
+    mesh: jax.sharding.Mesh
+    axis_name: base.AxisName
+    batch_stats: str
+    _cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
+    _in_flight: collections.deque[Any] = dataclasses.field(default_factory=collections.deque, repr=False)
+    # Per-worker leaves this step returned (stacked): id -> array.
+    _returned: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def num_workers(self) -> int:
+        return parallel._mesh_axis_size(self.mesh, self.axis_name)
+
+    def _placement(self, state: TrainState) -> Any:
+        """A TrainState of bools: True for per-worker (stacked) leaves."""
+        local_params = parallel._abstract(state.params)
+        placement = parallel.opt_state_placement(
+            state.tx, local_params, mesh=self.mesh, axis_name=self.axis_name
+        )
+        if placement.updates_per_worker:
+            raise ValueError(
+                "The optimizer's updates differ between workers, so the replicated parameters "
+                "would drift apart. Aggregate in the chain, e.g. optax.chain("
+                "jaxopt_dist.all_reduce(axis_name=...), optax.adamw(...))."
+            )
+        per_worker_stats = self.batch_stats == "per_worker"
+        return state.replace(
+            step=False,
+            params=jax.tree.map(lambda _: False, state.params),
+            opt_state=placement.per_worker,
+            batch_stats=jax.tree.map(lambda _: per_worker_stats, state.batch_stats),
+            key=jax.tree.map(lambda _: False, state.key),
+        )
+
+    def _body(self, mask: Any):
+        axis_name, fn = self.axis_name, self.fn
+
+        def body(state, batch):
+            trace = _Trace()
+            state = jax.tree.map(lambda x, m: x[0] if m else x, state, mask)
+            params = jax.tree.map(lambda x: trace.copy(x, comm.to_varying(x, axis_name)), state.params)
+            key = jax.tree.map(
+                lambda k: trace.copy(k, jax.random.fold_in(k, comm.axis_index(axis_name))), state.key
+            )
+            inside = state.replace(params=params, key=key)
+            with _tracing(trace):
+                out = fn(inside, *batch)
+            new_state, metrics = (out, None) if isinstance(out, TrainState) else (out[0], out[1])
+            if not isinstance(new_state, TrainState):
+                raise TypeError(
+                    "A data-parallel linen step returns (state, metrics) or state, with state a "
+                    f"jaxopt_dist.linen.TrainState; got {type(new_state).__name__}."
+                )
+            new_state = new_state.replace(key=state.key)  # the keys every worker started from
+            new_stats = jax.tree.map(
+                lambda x, m: x if m or not comm.is_varying(x, axis_name) else comm.pmean(x, axis_name),
+                new_state.batch_stats,
+                mask.batch_stats,
+            )
+            new_state = new_state.replace(batch_stats=new_stats)
+            for path, x in jax.tree_util.tree_flatten_with_path(new_state.params)[0]:
+                if comm.is_varying(x, axis_name):
+                    raise ValueError(
+                        f"The parameter {jax.tree_util.keystr(path)} comes out of the step different on "
+                        "each worker. Update it with state.apply_gradients of jaxopt_dist.linen.TrainState, "
+                        "whose tx aggregates gradients (e.g. jaxopt_dist.all_reduce)."
+                    )
+            new_state = jax.tree.map(
+                lambda x, m: comm.to_varying(x, axis_name)[None] if m else x, new_state, mask
+            )
+            out_metrics = jax.tree.map(lambda x: _replicated_output(x, axis_name=axis_name), metrics)
+            return new_state, out_metrics
+
+        return body
+
+    def _build(self, state: TrainState, batch: Any) -> Any:
+        mask = self._placement(state)
+        spec = parallel._spec(self.axis_name)
+        s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
+        b_spec = jax.tree.map(lambda _: spec, batch)
+        fn = jax.shard_map(
+            self._body(mask),
+            mesh=self.mesh,
+            in_specs=(s_spec, b_spec),
+            out_specs=(s_spec, P()),
+            check_vma=True,
+        )
+        shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
+        return jax.jit(fn), (jax.tree.map(shard, s_spec), jax.tree.map(shard, b_spec)), mask
+
+    def _stack(self, state: TrainState, mask: Any) -> TrainState:
+        """Stacks the per-worker leaves of a state that holds one copy of them."""
+        n = self.num_workers
+        sharded = jax.sharding.NamedSharding(self.mesh, parallel._spec(self.axis_name))
+        local = jax.eval_shape(state.tx.init, parallel._abstract(state.params))
+        opt = jax.tree.map(
+            lambda x, m, loc: parallel._stacked(x, n, sharded) if m and np.shape(x) == loc.shape else x,
+            state.opt_state,
+            mask.opt_state,
+            local,
+        )
+        stats = jax.tree.map(
+            lambda x, m: parallel._stacked(x, n, sharded) if m and self._returned.get(id(x)) is not x else x,
+            state.batch_stats,
+            mask.batch_stats,
+        )
+        return state.replace(opt_state=opt, batch_stats=stats)
+
+    def __call__(self, state: TrainState, *batch: Any) -> Any:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"The first argument must be a jaxopt_dist.linen.TrainState; got {type(state).__name__}."
+            )
+        n = self.num_workers
+        for x in jax.tree.leaves(batch):
+            if np.ndim(x) == 0 or np.shape(x)[0] % n:
+                raise ValueError(
+                    f"Every batch leaf needs a leading (batch) dimension divisible by the {n} workers; "
+                    f"got shape {np.shape(x)}."
+                )
+        key = (
+            jax.tree.structure((state, batch)),
+            tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves((state, batch))),
+        )
+        if key not in self._cache:
+            self._cache[key] = self._build(state, batch)
+        jitted, shardings, mask = self._cache[key]
+        state, batch = jax.device_put((self._stack(state, mask), batch), shardings)
+        out = jitted(state, batch)
+        self._returned = {id(x): x for x in jax.tree.leaves(out[0].batch_stats)}
+        self._in_flight.append(out)
+        if len(self._in_flight) > parallel._CPU_STEPS_IN_FLIGHT and all(
+            d.platform == "cpu" for d in self.mesh.devices.flat
+        ):
+            jax.block_until_ready(self._in_flight.popleft())
+        return out if out[1] is not None else out[0]
+
+
+def data_parallel(
+    fn: Callable[..., Any] | None = None,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    batch_stats: Literal["sync", "per_worker"] = "sync",
+) -> Any:
+    r"""Runs a linen ``TrainState`` step written for one device as a data-parallel step.
+
+    Use it in place of ``@jax.jit`` on ``train_step(state, batch) -> (state,
+    metrics)``, with :class:`TrainState` as the state and ``tx`` aggregating
+    over ``axis_name``. The first call places the state on the mesh.
+
+    Args:
+      fn: the step. Without it, returns a decorator.
+      mesh: a mesh with the axis ``axis_name``.
+      axis_name: the data axis (or tuple of axes).
+      batch_stats: ``"sync"``: running statistics replicated (averaged over the
+        workers when the BatchNorm layers do not already do it through their
+        ``axis_name``). ``"per_worker"``: one set per worker, stacked along a
+        leading worker axis; average them (``jnp.mean(x, 0)``) for evaluation.
+
+    Returns:
+      A :class:`DataParallelTrainState` (or a decorator making one).
+
+    Communication:
+      Whatever ``tx`` communicates, plus one ``pmean`` of the new running
+      statistics (``"sync"`` without BatchNorm ``axis_name``), the BatchNorm
+      layers' own ``pmean`` (with ``axis_name``), and one ``pmean`` per float
+      metric. Parameters, replicated optimizer state, keys and metrics come out
+      replicated; residuals and ``"per_worker"`` statistics are per-worker.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jaxopt_dist as jd
+      >>> from jaxopt_dist import linen as jlinen
+      >>> model = nn.Dense(2)
+      >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+      >>> tx = optax.chain(jd.all_reduce(), optax.sgd(0.1))
+      >>> state = jlinen.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> @jlinen.data_parallel(mesh=mesh)
+      ... def train_step(state, x):
+      ...     loss_fn = lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2)
+      ...     loss, grads = jax.value_and_grad(loss_fn)(state.params)
+      ...     return state.apply_gradients(grads=grads), {"loss": loss}
+      >>> state, metrics = train_step(state, jnp.ones((2 * jax.device_count(), 3)))
+      >>> int(state.step)
+      1
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    if batch_stats not in _BATCH_STATS:
+        raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
+        )
+    parallel._mesh_axis_size(mesh, axis_name)
+    auto = jax.sharding.Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    )
+
+    def wrap(f: Callable[..., Any]) -> DataParallelTrainState:
+        if not callable(f):
+            raise TypeError(f"`fn` must be callable; got {f!r}.")
+        return DataParallelTrainState(f, auto, axis_name, batch_stats)
+
+    return wrap if fn is None else wrap(fn)

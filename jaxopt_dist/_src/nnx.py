@@ -1,0 +1,502 @@
+"""Flax NNX models with state (BatchNorm statistics, RNG streams, metrics) under data parallelism.
+
+:func:`data_parallel` replaces ``@nnx.jit`` on an NNX training step written for
+one device; :class:`Optimizer` replaces ``nnx.Optimizer``. The step then runs
+under ``jax.shard_map`` with the batch split along the data axis, and every
+kind of NNX state is given one consistent meaning:
+
+* ``nnx.Param``: replicated. Gradients are taken per worker (the step
+  differentiates a per-worker copy), ``tx`` aggregates them (``all_reduce``,
+  ``powersgd``, ...), and :meth:`Optimizer.update` applies the replicated update
+  to the replicated parameters.
+* Optimizer state: placed as :func:`jaxopt_dist.data_parallel_step` places it:
+  replicated leaves once, per-worker leaves (error-feedback residuals) stacked
+  along a leading worker axis inside the optimizer.
+* ``nnx.BatchStat`` (BatchNorm): ``batch_stats="sync"`` normalizes with the
+  statistics of the *global* batch (SyncBN: the BatchNorm layers average their
+  per-worker moments over the axis) and keeps replicated running statistics;
+  ``batch_stats="per_worker"`` normalizes with each worker's own batch and
+  keeps one set of running statistics per worker, and the model holds their
+  average for evaluation.
+* RNG streams (``nnx.Rngs``, ``nnx.Dropout(rngs=...)``): each worker draws from
+  ``fold_in(key, worker_index)``, and the stream's counter advances every step,
+  so dropout masks differ across workers and steps.
+* Metrics (``nnx.metrics.Average``, ``Accuracy``, ``MultiMetric`` of them): the
+  per-worker increments are summed, so the metrics are those of the global
+  batch and replicated.
+
+This module imports flax; ``import jaxopt_dist`` does not.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxopt_dist._src import base, comm, parallel
+
+P = jax.sharding.PartitionSpec
+BatchStats = Literal["sync", "per_worker"]
+_BATCH_STATS = ("sync", "per_worker")
+
+# Metrics whose state is a sum over examples: the global value is the old one
+# plus the sum of every worker's increment.
+_ADDITIVE_METRICS = (nnx.metrics.Average, nnx.metrics.MultiMetric)
+
+
+class _Trace:
+    """Per-worker copies of replicated values made by the step being traced."""
+
+    def __init__(self) -> None:
+        self.originals: dict[int, tuple[Any, Any]] = {}
+
+    def copy(self, replicated: Any, per_worker: Any) -> Any:
+        self.originals[id(per_worker)] = (per_worker, replicated)
+        return per_worker
+
+    def original(self, x: Any) -> Any | None:
+        hit = self.originals.get(id(x))
+        return None if hit is None or hit[0] is not x else hit[1]
+
+
+_ACTIVE: list[_Trace] = []
+
+
+@contextlib.contextmanager
+def _tracing(trace: _Trace) -> Iterator[_Trace]:
+    _ACTIVE.append(trace)
+    try:
+        yield trace
+    finally:
+        _ACTIVE.pop()
+
+
+class Optimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` for steps wrapped in :func:`data_parallel`.
+
+    Same constructor and ``update(model, grads, **kwargs)`` as
+    ``nnx.Optimizer``. Inside a :func:`data_parallel` step, ``update`` gives
+    ``tx`` the per-worker gradients and the *replicated* parameters, so the
+    parameters stay replicated when ``tx`` aggregates (e.g.
+    ``optax.chain(jaxopt_dist.powersgd(rank=2), optax.adamw(1e-3))``).
+    Elsewhere it behaves exactly like ``nnx.Optimizer``.
+
+    Per-worker leaves of the optimizer state (error-feedback residuals) are
+    stored stacked along a leading worker axis after the first step.
+    """
+
+    def __init__(self, model: Any, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any):
+        super().__init__(model, tx, wrt=wrt, **kwargs)
+        params = nnx.as_pure(nnx.state(model, wrt))
+        leaves, treedef = jax.tree.flatten(params)
+        # Static (hashable) description of one copy of the parameters, for the placement.
+        self.param_struct = (
+            treedef,
+            tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves),
+        )
+
+    def abstract_params(self) -> Any:
+        treedef, leaves = self.param_struct
+        return jax.tree.unflatten(treedef, list(leaves))
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> optax.Updates:
+        """Steps ``tx`` with ``grads`` and writes the new parameters into ``model``."""
+        if not _ACTIVE:
+            return super().update(model, grads, **kwargs)
+        trace = _ACTIVE[-1]
+
+        def replicated(x):
+            original = trace.original(x)
+            return x if original is None else original
+
+        params = jax.tree.map(replicated, nnx.as_pure(nnx.state(model, self.wrt)))
+        grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt))
+        updates, new_opt_state = self.tx.update(
+            grad_arrays, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
+        )
+        nnx.update(model, optax.apply_updates(params, updates))
+        nnx.update(self.opt_state, nnx.state(new_opt_state))
+        self.step[...] += 1
+        return updates
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """How one state leaf travels through the step."""
+
+    path: tuple[Any, ...]
+    kind: str  # "param", "key", "batch_stat", "metric", "opt", "other"
+    per_worker: bool = False
+    local_shape: tuple[int, ...] | None = None  # optimizer state: the shape of one worker's copy
+
+
+def _path_str(path: tuple[Any, ...]) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _key_name(key: Any) -> Any:
+    """A ``jax.tree_util`` path entry as NNX spells it in a state path."""
+    for attr in ("idx", "name", "key"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return key
+
+
+def _classify(var: nnx.Variable) -> str:
+    if isinstance(var, nnx.Param):
+        return "param"
+    if isinstance(var, nnx.RngKey):
+        return "key"
+    if isinstance(var, nnx.BatchStat):
+        return "batch_stat"
+    if isinstance(var, nnx.metrics.MetricState):
+        return "metric"
+    if isinstance(var, nnx.OptState):
+        return "opt"
+    return "other"
+
+
+def _check_metrics(nodes: Any) -> None:
+    for path, node in nnx.iter_graph(nodes):
+        if isinstance(node, nnx.metrics.Metric) and not isinstance(node, _ADDITIVE_METRICS):
+            raise TypeError(
+                f"The metric at {_path_str(tuple(path))} is a {type(node).__name__}; inside a "
+                "data-parallel step only metrics that sum over examples (nnx.metrics.Average, "
+                "Accuracy and MultiMetric of them) can be combined across workers. Update other "
+                "metrics outside the step."
+            )
+
+
+@dataclasses.dataclass
+class DataParallel:
+    """A training step over a mesh; see :func:`data_parallel`."""
+
+    fn: Callable[..., Any]
+    mesh: jax.sharding.Mesh
+    axis_name: base.AxisName
+    batch_stats: BatchStats
+    max_steps_in_flight: int | None = None
+    _cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
+    # Per-worker running statistics: path -> (average written into the model, stacked copies).
+    _worker_stats: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
+    _in_flight: collections.deque[Any] = dataclasses.field(default_factory=collections.deque, repr=False)
+
+    @property
+    def num_workers(self) -> int:
+        return parallel._mesh_axis_size(self.mesh, self.axis_name)
+
+    # -- layout -------------------------------------------------------------
+
+    def _layout(self, nodes: Any, variables: list[nnx.Variable], paths: list[tuple[Any, ...]]) -> list[_Leaf]:
+        """Kind and placement of every state leaf of ``nodes`` (in flattening order)."""
+        opt_per_worker: dict[tuple[Any, ...], tuple[bool, tuple[int, ...]]] = {}
+        for path, node in nnx.iter_graph(nodes):
+            if isinstance(node, Optimizer):
+                placement = parallel.opt_state_placement(
+                    node.tx, node.abstract_params(), mesh=self.mesh, axis_name=self.axis_name
+                )
+                if placement.updates_per_worker:
+                    raise ValueError(
+                        "The optimizer's updates differ between workers, so the replicated "
+                        "parameters would drift apart. Aggregate in the chain, e.g. optax.chain("
+                        "jaxopt_dist.all_reduce(), optax.adamw(...)) or optax.chain("
+                        "jaxopt_dist.powersgd(rank=2), optax.adamw(...))."
+                    )
+                prefix = (*tuple(path), "opt_state")
+                local = jax.eval_shape(node.tx.init, node.abstract_params())
+                masks = jax.tree_util.tree_flatten_with_path(placement.per_worker)[0]
+                for (keypath, mask), x in zip(masks, jax.tree.leaves(local)):
+                    opt_per_worker[(*prefix, *map(_key_name, keypath))] = (mask, tuple(x.shape))
+        missing = [p for p in opt_per_worker if p not in paths]
+        if missing:  # pragma: no cover - guards flax internals
+            raise ValueError(f"Unexpected optimizer state layout at {_path_str(missing[0])}.")
+        leaves = []
+        for var, path in zip(variables, paths):
+            kind = _classify(var)
+            if path in opt_per_worker:
+                per_worker, local_shape = opt_per_worker[path]
+                leaves.append(_Leaf(path, kind, per_worker, local_shape))
+            else:
+                per_worker = kind == "batch_stat" and self.batch_stats == "per_worker"
+                leaves.append(_Leaf(path, kind, per_worker))
+        return leaves
+
+    def _stack_inputs(self, values: list[Any], leaves: list[_Leaf]) -> list[Any]:
+        """Per-worker leaves as stacked arrays (worker ``i`` owns row ``i``)."""
+        n = self.num_workers
+        sharded = jax.sharding.NamedSharding(self.mesh, parallel._spec(self.axis_name))
+        out = []
+        for x, leaf in zip(values, leaves):
+            if leaf.per_worker:
+                if leaf.kind == "batch_stat":
+                    kept = self._worker_stats.get(leaf.path)
+                    x = kept[1] if kept is not None and kept[0] is x else parallel._stacked(x, n, sharded)
+                elif np.shape(x) == leaf.local_shape:
+                    x = parallel._stacked(x, n, sharded)
+            out.append(x)
+        return out
+
+    # -- the step -----------------------------------------------------------
+
+    def _body(self, graphdef: Any, treedef: Any, leaves: list[_Leaf], batch_pos: list[int], nargs: int):
+        axis_name, fn, sync = self.axis_name, self.fn, self.batch_stats == "sync"
+
+        def body(values, batch):
+            trace = _Trace()
+            inside = []
+            for x, leaf in zip(values, leaves):
+                if leaf.per_worker:
+                    x = x[0]
+                elif leaf.kind == "param":
+                    x = trace.copy(x, comm.to_varying(x, axis_name))
+                elif leaf.kind == "key":
+                    x = trace.copy(x, jax.random.fold_in(x, comm.axis_index(axis_name)))
+                inside.append(x)
+            nodes = nnx.merge(graphdef, jax.tree.unflatten(treedef, inside))
+            if sync:
+                for _, module in nnx.iter_graph(nodes):
+                    if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+                        # flax annotates a str; jax.lax.pmean also takes a tuple of axes.
+                        module.axis_name = cast(Any, axis_name)
+            args, node_iter, batch_iter = [], iter(nodes), iter(batch)
+            for i in range(nargs):
+                args.append(next(batch_iter) if i in batch_pos else next(node_iter))
+            with _tracing(trace):
+                out = fn(*args)
+            new_values, new_treedef = jax.tree.flatten(nnx.as_pure(nnx.state(nodes)))
+            if new_treedef != treedef:
+                raise ValueError(
+                    "The step changed the structure of its NNX arguments (Variables added or "
+                    "removed); a data-parallel step may only change their values."
+                )
+            outs = [
+                _finish(old, mine, new, leaf, trace, axis_name)
+                for old, mine, new, leaf in zip(values, inside, new_values, leaves)
+            ]
+            return outs, jax.tree.map(functools.partial(_replicated_output, axis_name=axis_name), out)
+
+        return body
+
+    def _build(
+        self, key: Any, graphdef: Any, treedef: Any, leaves: list[_Leaf], batch: Any, batch_pos, nargs
+    ):
+        spec = parallel._spec(self.axis_name)
+        v_spec = [spec if leaf.per_worker else P() for leaf in leaves]
+        b_spec = jax.tree.map(lambda _: spec, batch)
+        fn = jax.shard_map(
+            self._body(graphdef, treedef, leaves, batch_pos, nargs),
+            mesh=self.mesh,
+            in_specs=(v_spec, b_spec),
+            out_specs=(v_spec, P()),
+            check_vma=True,
+        )
+
+        def step(values, batch):
+            new_values, out = fn(values, batch)
+            means = [
+                jnp.mean(x, axis=0) if leaf.per_worker and leaf.kind == "batch_stat" else None
+                for x, leaf in zip(new_values, leaves)
+            ]
+            return new_values, means, out
+
+        shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
+        shardings = ([shard(s) for s in v_spec], jax.tree.map(shard, b_spec))
+        self._cache[key] = (jax.jit(step), shardings)
+        return self._cache[key]
+
+    def __call__(self, *args: Any) -> Any:
+        nargs = len(args)
+        node_pos = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
+        batch_pos = [i for i in range(nargs) if i not in node_pos]
+        nodes = tuple(args[i] for i in node_pos)
+        batch = [args[i] for i in batch_pos]
+        n = self.num_workers
+        for x in jax.tree.leaves(batch):
+            if np.ndim(x) == 0 or np.shape(x)[0] % n:
+                raise ValueError(
+                    "Every array argument of a data-parallel step is split across workers and "
+                    f"needs a leading (batch) dimension divisible by the {n} workers; got shape "
+                    f"{np.shape(x)}. Pass models, optimizers, metrics and nnx.Rngs as NNX objects."
+                )
+        _check_metrics(nodes)
+        graphdef, state = nnx.split(nodes)
+        flat = nnx.to_flat_state(state)
+        paths = [tuple(p) for p, _ in flat]
+        variables = [v for _, v in flat]
+        values, treedef = jax.tree.flatten(nnx.as_pure(state))
+        if len(values) != len(variables):  # pragma: no cover - guards flax internals
+            raise ValueError("Unexpected NNX state layout.")
+        layout_key = ("layout", graphdef, treedef)
+        leaves = self._cache.get(layout_key)
+        if leaves is None:
+            leaves = self._cache[layout_key] = self._layout(nodes, variables, paths)
+        values = self._stack_inputs(values, leaves)
+        key = (
+            graphdef,
+            treedef,
+            tuple(batch_pos),
+            jax.tree.structure(batch),
+            tuple((np.shape(x), str(jnp.result_type(x))) for x in [*values, *jax.tree.leaves(batch)]),
+        )
+        jitted, shardings = self._cache.get(key) or self._build(
+            key, graphdef, treedef, leaves, batch, batch_pos, nargs
+        )
+        values, batch = jax.device_put((values, batch), shardings)
+        new_values, means, out = jitted(values, batch)
+        written = []
+        for x, mean, leaf in zip(new_values, means, leaves):
+            if mean is not None:
+                self._worker_stats[leaf.path] = (mean, x)
+                x = mean
+            written.append(x)
+        nnx.update(nodes, jax.tree.unflatten(treedef, written))
+        self._wait(out, new_values)
+        return out
+
+    def _wait(self, out: Any, new_values: list[Any]) -> None:
+        limit = self.max_steps_in_flight
+        if limit is None and all(d.platform == "cpu" for d in self.mesh.devices.flat):
+            limit = parallel._CPU_STEPS_IN_FLIGHT  # XLA:CPU collectives can deadlock when queued
+        if limit is None:
+            return
+        self._in_flight.append((out, new_values))
+        if len(self._in_flight) > limit:
+            jax.block_until_ready(self._in_flight.popleft())
+
+
+def _finish(old: Any, mine: Any, new: Any, leaf: _Leaf, trace: _Trace, axis_name: base.AxisName) -> Any:
+    """One state leaf after the step, typed as its placement requires."""
+    if leaf.per_worker:
+        return comm.to_varying(new, axis_name)[None]
+    if new is mine and trace.original(mine) is not None:
+        return old  # an untouched per-worker copy of a replicated value (unused params, RNG keys)
+    if leaf.kind == "metric":
+        if new is mine:
+            return old
+        # Every worker's increment counts, also one typed invariant (a count of examples).
+        return old + comm.psum(comm.to_varying(new - old, axis_name), axis_name)
+    if not comm.is_varying(new, axis_name):
+        return new
+    if leaf.kind == "param":
+        raise ValueError(
+            f"The parameter {_path_str(leaf.path)} comes out of the step different on each worker. "
+            "Update parameters with jaxopt_dist.nnx.Optimizer (not nnx.Optimizer), whose tx "
+            "aggregates gradients, e.g. optax.chain(jaxopt_dist.all_reduce(), optax.adamw(...))."
+        )
+    if leaf.kind == "batch_stat":
+        raise ValueError(
+            f"The BatchNorm statistic {_path_str(leaf.path)} differs between workers but "
+            "batch_stats='sync': the BatchNorm layer already averages over another axis "
+            f"({axis_name!r} expected). Use batch_stats='per_worker' or the same axis_name."
+        )
+    raise ValueError(
+        f"The state {_path_str(leaf.path)} ({leaf.kind}) comes out of the step different on each "
+        "worker, and a data-parallel step keeps it replicated. Compute it from replicated values."
+    )
+
+
+def _replicated_output(x: Any, *, axis_name: base.AxisName) -> Any:
+    if not comm.is_varying(x, axis_name):
+        return x
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return comm.pmean(x, axis_name)
+    raise ValueError(
+        f"The step returns a per-worker {jnp.result_type(x)} value; only floating-point outputs "
+        "are averaged over workers. Return floats or replicated values."
+    )
+
+
+def data_parallel(
+    fn: Callable[..., Any] | None = None,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    batch_stats: BatchStats = "sync",
+    max_steps_in_flight: int | None = None,
+) -> Any:
+    r"""Runs an NNX step written for one device as a data-parallel step over ``mesh``.
+
+    Use it in place of ``@nnx.jit``, with :class:`Optimizer` in place of
+    ``nnx.Optimizer``. NNX arguments (modules, optimizers, metrics,
+    ``nnx.Rngs``) are updated in place as under ``nnx.jit``; every other
+    argument is a pytree of arrays split along its leading axis across the
+    workers (the global batch). Each worker runs ``fn`` on its shard; the state
+    is kept consistent as described in :mod:`jaxopt_dist.nnx`. What ``fn``
+    returns comes back replicated: floats averaged over workers.
+
+    Args:
+      fn: the step, e.g. ``train_step(model, optimizer, metrics, batch)``.
+        Without it, returns a decorator.
+      mesh: a mesh with the axis ``axis_name``, e.g. ``jax.make_mesh((8,), ("data",))``.
+      axis_name: the data axis (or tuple of axes).
+      batch_stats: ``"sync"`` (default): BatchNorm layers normalize with the
+        global batch's statistics (SyncBN; two small all-reduces per layer and
+        step, replicated running statistics). ``"per_worker"``: each worker
+        normalizes with its own shard's statistics and keeps its own running
+        statistics; the model holds their average (for evaluation).
+      max_steps_in_flight: bound on queued steps; None: 4 on CPU meshes
+        (XLA:CPU collectives can deadlock), unbounded on accelerators.
+
+    Returns:
+      A :class:`DataParallel` step (or a decorator making one).
+
+    Communication:
+      Whatever ``tx`` communicates, plus: SyncBN, one ``pmean`` of
+      ``2 x features`` floats per BatchNorm layer in the forward pass and its
+      transpose in the backward pass; one ``psum`` per metric state leaf; one
+      ``pmean`` per floating-point output. Parameters, replicated optimizer
+      state, running statistics (sync), RNG keys/counters and metrics come out
+      replicated; error-feedback residuals and per-worker statistics are
+      per-worker, stacked along a leading worker axis.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
+      >>> from flax import nnx
+      >>> from jaxopt_dist import nnx as jnnx
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.BatchNorm(4, rngs=nnx.Rngs(0)))
+      >>> tx = optax.chain(jd.all_reduce(), optax.sgd(0.1))
+      >>> optimizer = jnnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> @jnnx.data_parallel(mesh=mesh)
+      ... def train_step(model, optimizer, x):
+      ...     loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> loss = train_step(model, optimizer, jnp.ones((2 * jax.device_count(), 3)))
+      >>> loss.shape
+      ()
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    if batch_stats not in _BATCH_STATS:
+        raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
+        )
+    parallel._mesh_axis_size(mesh, axis_name)
+    if max_steps_in_flight is not None:
+        max_steps_in_flight = base.check_positive_int(max_steps_in_flight, "max_steps_in_flight")
+
+    # Arrays placed on a mesh with Explicit axes (jax.make_mesh's default) carry
+    # their mesh in their type, and eager NNX code (metrics.reset(), evaluation
+    # on one device) could no longer mix them with ordinary arrays.
+    auto = jax.sharding.Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    )
+
+    def wrap(f: Callable[..., Any]) -> DataParallel:
+        if not callable(f):
+            raise TypeError(f"`fn` must be callable; got {f!r}.")
+        return DataParallel(f, auto, axis_name, batch_stats, max_steps_in_flight)
+
+    return wrap if fn is None else wrap(fn)
