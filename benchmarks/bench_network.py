@@ -109,7 +109,10 @@ def methods(jd: Any, jnp: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
         "powersgd_r1": ("powersgd(rank=1)", lambda: jd.powersgd(rank=1)),
         "powersgd_r2": ("powersgd(rank=2)", lambda: jd.powersgd(rank=2)),
         "powersgd_r4": ("powersgd(rank=4)", lambda: jd.powersgd(rank=4)),
-        "powersgd_r2_1ar": ("powersgd(rank=2, one_allreduce=True)", lambda: jd.powersgd(rank=2, one_allreduce=True)),
+        "powersgd_r2_1ar": (
+            "powersgd(rank=2, one_allreduce=True)",
+            lambda: jd.powersgd(rank=2, one_allreduce=True),
+        ),
         "adasum": ("adasum()", lambda: jd.adasum()),
     }
 
@@ -197,7 +200,6 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
     mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
     n = mesh.shape["data"]
     P = jax.sharding.PartitionSpec
-    rep = jax.sharding.NamedSharding(mesh, P())
     row = jax.sharding.NamedSharding(mesh, P("data"))
     rates = args.rates if args.shape else ["unshaped"]
 
@@ -212,7 +214,9 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
     def grad_leaf(i: int, s: tuple[int, ...]) -> jax.Array:
         def cb(idx: Any) -> np.ndarray:
             rows = range(n)[idx[0]]
-            return np.stack([np.random.default_rng([i, r]).standard_normal(s, np.float32) * 1e-2 for r in rows])
+            return np.stack(
+                [np.random.default_rng([i, r]).standard_normal(s, np.float32) * 1e-2 for r in rows]
+            )
 
         return jax.make_array_from_callback((n, *s), row, cb)
 
@@ -220,7 +224,9 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     @jax.jit
     def tiny(x: jax.Array) -> jax.Array:
-        return jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())(x)
+        return jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())(
+            x
+        )
 
     tiny_x = jax.make_array_from_callback((n,), row, lambda idx: np.ones(n, np.float32)[idx])
     big_n = args.calibration_mb * 2**18  # float32 elements of the bandwidth probe
@@ -295,7 +301,6 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
             "compile_s": compile_s,
             "rates": per_rate,
         }
-        del step, carry, state
     if args.shape and me == 0:
         set_rate("unshaped")
     out = {
@@ -349,7 +354,9 @@ def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[
         out[name] = {}
         for rate in res["link"]:
             gbps, lat_us = _link_model(res["link"], rate, n)
-            out[name][rate] = float(jd.project_step_time(cost, bandwidth_gbps=gbps, latency_us=lat_us, algorithm=algorithm))
+            out[name][rate] = float(
+                jd.project_step_time(cost, bandwidth_gbps=gbps, latency_us=lat_us, algorithm=algorithm)
+            )
     return out
 
 
@@ -360,7 +367,9 @@ def _configure_jax(devices: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    cache = os.environ.get("BENCH_NETWORK_CACHE", str(pathlib.Path(tempfile.gettempdir()) / "bench_network_jax_cache"))
+    cache = os.environ.get(
+        "BENCH_NETWORK_CACHE", str(pathlib.Path(tempfile.gettempdir()) / "bench_network_jax_cache")
+    )
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
@@ -374,7 +383,10 @@ def run_torch_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_flush_denormal(False)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.torch_coordinator}", rank=args.process_id, world_size=args.num_processes
+        "gloo",
+        init_method=f"tcp://{args.torch_coordinator}",
+        rank=args.process_id,
+        world_size=args.num_processes,
     )
     me, n = dist.get_rank(), dist.get_world_size()
     rates = args.rates if args.shape else ["unshaped"]
@@ -383,7 +395,9 @@ def run_torch_worker(args: argparse.Namespace) -> dict[str, Any]:
     class Model(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(_torch_shape(s))) for s in shapes])
+            self.ps = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.zeros(_torch_shape(s))) for s in shapes]
+            )
 
         def forward(self, gs: list[torch.Tensor]) -> torch.Tensor:
             return sum((p * g).sum() for p, g in zip(self.ps, gs))  # d/dp = g
@@ -406,7 +420,9 @@ def run_torch_worker(args: argparse.Namespace) -> dict[str, Any]:
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif name.startswith("torch_powersgd"):
             rank = int(name.rsplit("r", 1)[1])
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+            state = psgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2
+            )
             model.register_comm_hook(state, psgd.powerSGD_hook)
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
@@ -426,7 +442,6 @@ def run_torch_worker(args: argparse.Namespace) -> dict[str, Any]:
             med, times = _median_time(one, args.repeats)
             per_rate[rate] = {"median_s": med, "times_s": times}
         results[name] = {"label": TORCH_LABELS[name], "rates": per_rate, "buckets": buckets}
-        del model, opt
     if args.shape and me == 0:
         set_rate("unshaped")
     dist.destroy_process_group()
@@ -465,7 +480,9 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _worker_argv(args: argparse.Namespace, kind: str, procs: int, pid: int, coord: str, out: str) -> list[str]:
+def _worker_argv(
+    args: argparse.Namespace, kind: str, procs: int, pid: int, coord: str, out: str
+) -> list[str]:
     argv = [
         sys.executable,
         str(SCRIPT),
@@ -523,7 +540,10 @@ def launch_group(args: argparse.Namespace, kind: str, procs: int, timeout: float
                     i = argv.index("--coordinator")
                     del argv[i : i + 2]  # one process, no distributed runtime: compute only
             else:
-                cmds = [" ".join(_quote(a) for a in _worker_argv(args, kind, procs, i, coord, out)) for i in range(procs)]
+                cmds = [
+                    " ".join(_quote(a) for a in _worker_argv(args, kind, procs, i, coord, out))
+                    for i in range(procs)
+                ]
                 argv = ["sh", "-c", "".join(f"{c} &\n" for c in cmds) + _WAIT_ALL]
         try:
             r = subprocess.run(argv, env=_child_env(), capture_output=True, text=True, timeout=timeout)
@@ -549,7 +569,9 @@ def _quote(a: str) -> str:
 # Tables.
 
 
-def print_tables(res: dict[str, Any], compute: dict[str, Any], torch_res: dict[str, Any] | None, note: str) -> None:
+def print_tables(
+    res: dict[str, Any], compute: dict[str, Any], torch_res: dict[str, Any] | None, note: str
+) -> None:
     """Markdown tables, one per rate; projections traced here with the current model."""
     n = res["procs"]
     rows = res["methods"]
@@ -570,7 +592,17 @@ def print_tables(res: dict[str, Any], compute: dict[str, Any], torch_res: dict[s
         gbps = RATES[rate]
         dense = rows.get("dense", next(iter(rows.values())))["rates"][rate]["median_s"]
         print(f"\n### {rate}" + ("" if gbps else " (bare loopback)"))
-        cols = ["method", "s/step", "x dense", "B/worker", "wire s", "compute s", "proj ring", "proj gloo", "gloo/meas"]
+        cols = [
+            "method",
+            "s/step",
+            "x dense",
+            "B/worker",
+            "wire s",
+            "compute s",
+            "proj ring",
+            "proj gloo",
+            "gloo/meas",
+        ]
         print("| " + " | ".join(cols) + " |\n|---|" + "---:|" * (len(cols) - 1))
         for name, r in rows.items():
             meas = r["rates"][rate]["median_s"]
@@ -611,7 +643,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", default=",".join(RATES), help=f"comma-separated, of {list(RATES)}")
     p.add_argument("--methods", default=None, help="comma-separated method names (default: all)")
     p.add_argument("--torch-methods", default=",".join(TORCH_METHODS), help="PyTorch rows ('' for none)")
-    p.add_argument("--repeats", type=int, default=7, help="timed steps per method and rate (>= 7 for the table)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="timed steps per method and rate (>= 7 for the table)"
+    )
     p.add_argument("--width", type=int, default=64, help="ResNet-18 base width (64: the real model)")
     p.add_argument("--calibration-mb", type=int, default=16, help="size of the bandwidth probe all-reduce")
     p.add_argument("--no-shape", action="store_true", help="do not shape the loopback (run unshaped)")
@@ -854,7 +888,9 @@ def print_e2e(res: dict[str, Any], note: str) -> None:
         f"time to test accuracy >= {res['target']:.0%} (training steps only):\n"
     )
     dense = res["methods"].get("dense", {}).get("seconds")
-    print("| method | steps | accuracy | wall s | x dense | s/step | B/worker/step |\n|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| method | steps | accuracy | wall s | x dense | s/step | B/worker/step |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
     for name, r in res["methods"].items():
         ok = "" if r["reached"] else " (not reached)"
         speed = f"{dense / r['seconds']:.2f}" if dense and r["reached"] else "-"

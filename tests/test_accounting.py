@@ -402,7 +402,9 @@ def test_project_step_time_algorithms():
     ops = tuple(((s,), "float32") for s in (64, 8, 2))
     psum3 = accounting.Collective("all_reduce", "psum", ("data",), N, ops, 4 * 74, 1.0, "")
     assert accounting._priced(psum3, N, "ring", alpha, beta) == pytest.approx((RING * 4 * 74, 2 * (N - 1)))
-    assert accounting._priced(psum3, N, "gloo", alpha, beta) == pytest.approx((RING * 4 * 74, 3 * 2 * (N - 1)))
+    assert accounting._priced(psum3, N, "gloo", alpha, beta) == pytest.approx(
+        (RING * 4 * 74, 3 * 2 * (N - 1))
+    )
     # ... and 16-bit floats travel as float32 (XLA:CPU widens them in every collective).
     bf16 = communication_cost(jd.all_reduce(dtype=jnp.bfloat16), PARAMS, axis_size=N)
     assert bf16.sent_bytes == pytest.approx(RING * 2 * D)
