@@ -65,6 +65,7 @@ import math
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -545,10 +546,24 @@ def launch_group(args: argparse.Namespace, kind: str, procs: int, timeout: float
                     for i in range(procs)
                 ]
                 argv = ["sh", "-c", "".join(f"{c} &\n" for c in cmds) + _WAIT_ALL]
+        # A session of its own, so a timeout (or Ctrl-C) ends every worker, not just the shell.
+        proc = subprocess.Popen(
+            argv,
+            env=_child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            r = subprocess.run(argv, env=_child_env(), capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            raise SystemExit(f"{kind} workers timed out after {timeout:.0f} s:\n{e.stderr}") from None
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise SystemExit(
+                f"{kind} workers stopped (timeout {timeout:.0f} s or interrupt):\n{stderr}"
+            ) from None
+        r = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
         if r.returncode != 0 or not pathlib.Path(out).exists():
             raise SystemExit(f"{kind} workers failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}")
         if args.verbose:
