@@ -894,12 +894,20 @@ def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.coordinator is not None:
         jax.distributed.shutdown()
     n_params = sum(v.size for v in params0.values())
-    return {"procs": n, "rate": rate, "params": int(n_params), "target": args.e2e_target, "methods": results}
+    return {
+        "procs": n,
+        "rate": rate,
+        "params": int(n_params),
+        "hidden": h,
+        "target": args.e2e_target,
+        "methods": results,
+    }
 
 
 def print_e2e(res: dict[str, Any], note: str) -> None:
     print(
-        f"\ndigits, 64-{res['params']}-parameter tanh MLP, {res['procs']} processes, link {res['rate']}; {note}\n"
+        f"\ndigits, tanh MLP 64-{res.get('hidden', 'H')}-{res.get('hidden', 'H')}-10 ({res['params']:,} parameters), {res['procs']} processes, "
+        f"link {res['rate']}; {note}\n"
         f"time to test accuracy >= {res['target']:.0%} (training steps only):\n"
     )
     dense = res["methods"].get("dense", {}).get("seconds")
