@@ -27,11 +27,16 @@ Columns, per rate:
 * ``B/worker``: bytes each worker sends per step (``communication_cost``);
 * ``wire s``: the time the shaped wire alone needs for every worker's bytes;
 * ``compute s``: the same update in one process with one device, no link;
-* ``proj s``: ``compute s`` + ``project_step_time`` at the link's per-worker
-  bandwidth (``R / procs`` for the shared loopback; for the unshaped loopback
-  the bandwidth measured by a 16 MB all-reduce in the same run) and the
-  latency measured by a 4-byte all-reduce in the same run;
-* ``proj/meas``: projection over measurement.
+* ``proj ring`` / ``proj gloo``: ``compute s`` + ``project_step_time`` with
+  ``algorithm="ring"`` (the textbook model) / ``"gloo"`` (XLA:CPU over gloo)
+  at the link's per-worker bandwidth (``R / procs`` for the shared loopback;
+  unshaped, the bandwidth a ``--calibration-mb`` all-reduce reached in the
+  same run) and the per-round latency of a 4-byte all-reduce in the same run;
+  the projections are traced in the launching process when the table is
+  printed, so ``--from-json`` reprints a saved run with the current model;
+* ``gloo/meas``: ``proj gloo`` over ``s/step``.
+
+The torch rows give ``s/step`` and ``x dense`` only.
 
 With torch installed, PyTorch DDP (gloo, one bucket) runs on the same shapes,
 processes and link with its communication hooks (``allreduce``,
@@ -40,13 +45,16 @@ momentum=0.9)``; its step is backward of ``sum(p * g)`` (the hook runs
 inside it) and ``optimizer.step()``.
 
 ``--e2e``: wall-clock time to a fixed test accuracy on digits at 100 Mbit/s,
-2 processes (see :func:`run_e2e`).
+2 processes, for dense, PowerSGD, top-k and the bf16 wire (see
+:func:`run_e2e_worker`).
 
 Run::
 
     python benchmarks/bench_network.py                       # 2 processes, every rate
     python benchmarks/bench_network.py --rates 1gbit,100mbit --procs 4
     python benchmarks/bench_network.py --methods dense,powersgd_r1 --repeats 7
+    python benchmarks/bench_network.py --e2e
+    python benchmarks/bench_network.py --from-json saved.json   # reprint a --json run
 
 On one's own cluster (no shaping; the link is whatever connects the hosts),
 once per host, with the first host's address::
@@ -95,7 +103,9 @@ def methods(jd: Any, jnp: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
     Every gradient-aggregating transform of the library; the optimizer
     (``sgd(0.1, momentum=0.9)``) is chained after it. Transforms with
     per-worker parameters (``average_params``, ``gossip``, ``diloco``) are
-    left out: their step is not one aggregation of gradients.
+    left out: their step is not one aggregation of gradients; so is
+    ``threshold``, whose threshold and capacity depend on the gradients'
+    scale. A new method (or option) is a new row here.
     """
     return {
         "dense": ("all_reduce (per leaf)", lambda: jd.all_reduce()),
@@ -241,7 +251,7 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
             set_rate(rate)
         barrier()
 
-    # Link calibration per rate: a 4-byte all-reduce (latency) and a 16 MB one (bandwidth).
+    # Link calibration per rate: a 4-byte all-reduce (latency) and a larger one (bandwidth).
     link: dict[str, dict[str, float]] = {}
     for rate in rates:
         enter(rate)
