@@ -327,7 +327,9 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
     cost = jd.communication_cost(tx, start, axis_size=n)
     # Trace again at 64 workers: message sizes and rounds of some schemes depend on the count.
     cost64 = jd.communication_cost(tx, start, axis_size=64)
-    projected = jd.project_step_time(cost64, bandwidth_gbps=10.0, latency_us=5.0)
+    # "auto": ring or recursive doubling per message size, as NCCL and MPI choose (small messages
+    # would otherwise pay 2 (n-1) latencies each).
+    projected = jd.project_step_time(cost64, bandwidth_gbps=10.0, latency_us=5.0, algorithm="auto")
     row = {
         "method": name,
         "label": method.label,

@@ -11,6 +11,7 @@ the bf16 case checks explicitly.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -387,3 +388,43 @@ def test_step_time_is_a_float_in_seconds():
     t = project_step_time(cost, workers=64, bandwidth_gbps=10.0, latency_us=5.0)
     assert isinstance(t, float) and 1e3 * t == pytest.approx(1e3 * t.seconds)
     assert t.workers == 64 and "StepTime(seconds=" in repr(t)
+
+
+def test_project_step_time_algorithms():
+    beta, alpha = 1e9, 1e-5  # bytes/s, s (8 Gbit/s, 10 us)
+    link = dict(bandwidth_gbps=8.0, latency_us=10.0)
+    per_leaf = communication_cost(jd.all_reduce(), PARAMS, axis_size=N)  # 3 psums, one per leaf
+    ring = project_step_time(per_leaf, **link)
+    assert project_step_time(per_leaf, algorithm="ring", **link) == ring  # the default
+    assert ring.seconds == pytest.approx(3 * 2 * (N - 1) * alpha + RING * 4 * D / beta)
+    assert project_step_time(per_leaf, algorithm="gloo", **link) == pytest.approx(ring)
+    # gloo (XLA:CPU): one ring call per operand of a collective; the ring model charges one.
+    ops = tuple(((s,), "float32") for s in (64, 8, 2))
+    psum3 = accounting.Collective("all_reduce", "psum", ("data",), N, ops, 4 * 74, 1.0, "")
+    assert accounting._priced(psum3, N, "ring", alpha, beta) == pytest.approx((RING * 4 * 74, 2 * (N - 1)))
+    assert accounting._priced(psum3, N, "gloo", alpha, beta) == pytest.approx(
+        (RING * 4 * 74, 3 * 2 * (N - 1))
+    )
+    # ... and 16-bit floats travel as float32 (XLA:CPU widens them in every collective).
+    bf16 = communication_cost(jd.all_reduce(dtype=jnp.bfloat16), PARAMS, axis_size=N)
+    assert bf16.sent_bytes == pytest.approx(RING * 2 * D)
+    assert project_step_time(bf16, algorithm="gloo", **link).seconds == pytest.approx(ring.seconds)
+    assert project_step_time(bf16, **link).bandwidth_seconds == pytest.approx(RING * 2 * D / beta)
+    # auto: a small message takes recursive doubling (log2 8 = 3 rounds, 3 B bytes) ...
+    flat = communication_cost(jd.all_reduce(flatten=True), PARAMS, axis_size=N)
+    auto = project_step_time(flat, algorithm="auto", **link)
+    assert auto.seconds == pytest.approx(3 * alpha + 3 * 4 * D / beta)
+    assert auto.dense_seconds == pytest.approx(auto.seconds)
+    # ... a large one the ring, whichever is faster.
+    big = {"w": jax.ShapeDtypeStruct((1 << 22,), jnp.float32)}
+    cost = communication_cost(jd.all_reduce(), big, axis_size=N)
+    want_ring = 2 * (N - 1) * alpha + RING * 4 * (1 << 22) / beta
+    assert project_step_time(cost, algorithm="auto", **link).seconds == pytest.approx(want_ring)
+    assert project_step_time(cost, algorithm="auto", **link).seconds <= project_step_time(cost, **link)
+    # All-to-all under gloo: every peer at once, one round; bytes of the ring table.
+    a2a = accounting.Collective("all_to_all", "all_to_all", ("data",), N, (((64,), "float32"),), 256, 1.0, "")
+    assert accounting._priced(a2a, N, "gloo", alpha, beta) == pytest.approx(((N - 1) / N * 256, 1))
+    rs = dataclasses.replace(a2a, kind="reduce_scatter")
+    assert accounting._priced(rs, N, "gloo", alpha, beta) == pytest.approx(((N - 1) / N * 256, 3))
+    with pytest.raises(ValueError, match=r"`algorithm` must be one of \('ring', 'auto', 'gloo'\)"):
+        project_step_time(per_leaf, algorithm="tree", **link)

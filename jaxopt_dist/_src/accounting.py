@@ -941,6 +941,58 @@ def communication_cost(
 # Alpha-beta projection.
 
 
+PROJECTION_ALGORITHMS = ("ring", "auto", "gloo")
+"""Collective algorithms :func:`project_step_time` can price (its ``algorithm``)."""
+
+_WIDENED = ("bfloat16", "float16")  # XLA:CPU runs collectives of these in float32
+
+
+def _log2_rounds(k: int) -> int:
+    return max(1, math.ceil(math.log2(k))) if k > 1 else 0
+
+
+def _algorithm_factors(
+    kind: str, k: int, moving: float, payload: float, alpha: float, beta: float, algorithm: str
+) -> tuple[float, int]:
+    """(wire bytes per payload byte, latency rounds) of one call under ``algorithm``."""
+    factor, rounds = _factors(kind, k, moving)
+    if k <= 1 or algorithm == "ring" or kind == "permute":
+        return factor, rounds
+    log_rounds = _log2_rounds(k)
+    if algorithm == "gloo":
+        if kind == "all_to_all":
+            return factor, 1
+        if kind == "reduce_scatter":
+            return factor, log_rounds
+        return factor, rounds
+    # "auto": the faster of the ring and the logarithmic algorithm for this message.
+    log_factor = {"all_reduce": float(log_rounds)}.get(kind, factor)
+    if kind == "all_to_all":
+        return factor, rounds
+    ring_t = rounds * alpha + factor * payload / beta
+    log_t = log_rounds * alpha + log_factor * payload / beta
+    return (log_factor, log_rounds) if log_t < ring_t else (factor, rounds)
+
+
+def _priced(c: Collective, k: int, algorithm: str, alpha: float, beta: float) -> tuple[float, float]:
+    """(bytes sent, latency rounds) per step of one traced collective under ``algorithm``."""
+    if algorithm == "ring":
+        return c.sent_bytes(k), float(c.rounds(k))
+    if algorithm == "auto":  # one call for all operands, the algorithm picked by its size
+        factor, rounds = _algorithm_factors(c.kind, k, c.moving, c.payload_bytes, alpha, beta, "auto")
+        return factor * c.payload_bytes * c.multiplier, float(rounds * c.multiplier)
+    wire = rounds_sum = 0.0  # gloo: one call per operand, 16-bit floats widened
+    for shape, dtype in c.operands:
+        size = math.prod(shape) * (4 if dtype in _WIDENED else _itemsize(dtype))
+        factor, rounds = _algorithm_factors(c.kind, k, c.moving, size, alpha, beta, "gloo")
+        wire += factor * size
+        rounds_sum += rounds
+    return wire * c.multiplier, rounds_sum * c.multiplier
+
+
+# ----------------------------------------------------------------------------
+
+
 class StepTime(float):
     """Projected communication seconds per step: a float, with the breakdown attached.
 
@@ -1040,6 +1092,7 @@ def project_step_time(
     workers: int | None = None,
     bandwidth_gbps: float | Mapping[Hashable, float],
     latency_us: float | Mapping[Hashable, float],
+    algorithm: str = "ring",
 ) -> StepTime:
     r"""Communication time per step under the alpha-beta model.
 
@@ -1067,6 +1120,21 @@ def project_step_time(
       latency_us: per-message latency :math:`\alpha` in microseconds, or a
         mapping per mesh axis (a collective over several axes takes the
         largest).
+      algorithm: how the collectives are run: ``"ring"``, ``"auto"`` or ``"gloo"``.
+        ``"ring"`` (default): the ring algorithms above, one message round
+        set per collective. ``"auto"``: per collective, the faster of the
+        ring and the logarithmic algorithm (recursive doubling for
+        all-reduce and all-gather, recursive halving for reduce-scatter,
+        a binomial tree for broadcast: ``ceil(log2 k)`` rounds, all-reduce
+        sending ``ceil(log2 k) B``), as MPI and NCCL pick between them by
+        message size. ``"gloo"``: XLA:CPU's collectives over gloo (JAX's
+        multi-process CPU backend), as measured by
+        ``benchmarks/bench_network.py``: every operand of a collective is a
+        separate gloo call (its own rounds), 16-bit floats travel as float32
+        (XLA:CPU widens them in every collective), all-reduce and
+        all-gather are gloo's rings, all-to-all sends to every peer at once
+        (one round) and reduce-scatter is gloo's halving-doubling
+        (``ceil(log2 k)`` rounds).
 
     Returns:
       A :class:`StepTime`: the seconds per step as a float, with
@@ -1076,6 +1144,8 @@ def project_step_time(
     if not isinstance(cost, CommunicationCost):
         raise TypeError(f"`cost` must be a CommunicationCost; got {type(cost).__name__}.")
     workers = cost.axis_size if workers is None else base.check_positive_int(workers, "workers")
+    if algorithm not in PROJECTION_ALGORITHMS:
+        raise ValueError(f"`algorithm` must be one of {PROJECTION_ALGORITHMS}; got {algorithm!r}.")
     axes = list(cost.axis_sizes)
     gbps = _per_axis(bandwidth_gbps, "bandwidth_gbps", axes, lower_open=True)
     us = _per_axis(latency_us, "latency_us", axes, lower_open=False)
@@ -1093,16 +1163,15 @@ def project_step_time(
         for c in s.collectives:
             k = workers if c.group_size == cost.axis_size else c.group_size
             alpha, beta = link(c.axes)
-            wire = c.sent_bytes(k)
-            rounds = c.rounds(k)
+            wire, rounds = _priced(c, k, algorithm, alpha, beta)
             lat += rounds * alpha
             bw += wire / beta
             by_kind[c.kind] = by_kind.get(c.kind, 0.0) + rounds * alpha + wire / beta
             key = _axis_key(c.axes)
             by_axis[key] = by_axis.get(key, 0.0) + rounds * alpha + wire / beta
     m = max(len(steps), 1)
-    factor, rounds = _factors("all_reduce", workers)
     alpha, beta = link(axes)
+    factor, rounds = _algorithm_factors("all_reduce", workers, 1.0, cost.params_bytes, alpha, beta, algorithm)
     dense = rounds * alpha + factor * cost.params_bytes / beta
     return StepTime(
         (lat + bw) / m,
