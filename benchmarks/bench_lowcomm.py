@@ -24,7 +24,7 @@ Columns:
 Every method's optimizer comes from the ``METHODS`` table below: a name maps
 to ``dict(make=callable(total_steps) -> tx, per_worker_params=bool)`` (and an
 optional ``eval(params, state) -> params`` picking the model to test).
-Further rows come from ``_lowcomm_methods.METHODS_B`` when that module exists.
+DeMo, 1-bit Adam and CHOCO rows come from ``_lowcomm_methods.METHODS_B``.
 
 Run: ``python benchmarks/bench_lowcomm.py`` (``--quick`` for a smoke run).
 """
@@ -43,10 +43,7 @@ import optax
 
 import jaxopt_dist as jd
 
-try:
-    from _lowcomm_methods import METHODS_B
-except ImportError:
-    METHODS_B = {}
+from _lowcomm_methods import METHODS_B
 
 N = _common.N_WORKERS
 BATCH = 16  # per worker
