@@ -40,10 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _lowcomm_methods import METHODS_B
 
 import jaxopt_dist as jd
-
-from _lowcomm_methods import METHODS_B
 
 N = _common.N_WORKERS
 BATCH = 16  # per worker
