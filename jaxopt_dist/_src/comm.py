@@ -166,6 +166,7 @@ def reduce(
     denominator: Any = None,
     flatten: bool = False,
     caller: str | None = None,
+    bitcast_ring: bool | None = None,
 ) -> Any:
     """Sums or averages a pytree over ``axis_name``; outputs keep the input dtypes.
 
@@ -181,6 +182,11 @@ def reduce(
         (``"mean"`` only). A scalar, possibly traced.
       flatten: pack all leaves into one buffer per wire dtype, so the step
         issues a single all-reduce.
+      bitcast_ring: with a 16-bit float ``dtype``, sum with
+        :func:`ring_sum_16bit` (16 bits on the wire whatever the backend)
+        instead of ``psum``. None (default) does so when the default backend
+        is CPU, whose collectives widen 16-bit floats to float32; GPU and TPU
+        keep their native narrow all-reduce.
 
     Returns:
       A pytree like ``tree``, replicated on every worker.
@@ -196,7 +202,9 @@ def reduce(
     wire = [x.astype(dtype) if dtype is not None else x for x in leaves]
     if reduction == "mean" and divide_before:
         wire = [x / jnp.asarray(denom, x.dtype) for x in wire]
-    if flatten:
+    if dtype is not None and _use_ring(jnp.dtype(dtype), bitcast_ring):
+        summed = _ring_sum_leaves(wire, axis_name)
+    elif flatten:
         summed = _flat_psum(wire, axis_name)
     else:
         summed = jax.lax.psum(wire, axis_name)
@@ -219,6 +227,78 @@ def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Arr
         for j, i in enumerate(idx):
             out[i] = flat[offsets[j] : offsets[j + 1]].reshape(leaves[i].shape)
     return out
+
+
+# ----------------------------------------------------------------------------
+# 16-bit sums that stay 16-bit on the wire.
+
+
+def _use_ring(dtype: Any, bitcast_ring: bool | None) -> bool:
+    if not (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2):
+        return False
+    if bitcast_ring is None:
+        return jax.default_backend() == "cpu"
+    return bitcast_ring
+
+
+def _ring_sum_leaves(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """:func:`ring_sum_16bit` of a list of 16-bit float arrays, packed into one buffer per dtype."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(jnp.result_type(x), []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for idx in groups.values():
+        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
+        flat = ring_sum_16bit(flat, axis_name)
+        offsets = np.cumsum([0] + [int(np.prod(leaves[i].shape)) for i in idx])
+        for j, i in enumerate(idx):
+            out[i] = flat[offsets[j] : offsets[j + 1]].reshape(leaves[i].shape)
+    return out
+
+
+def ring_sum_16bit(flat: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:
+    """Sum over workers of a flat bfloat16/float16 vector, with 16 bits per entry on the wire.
+
+    XLA:CPU's collectives (all-reduce, all-gather, all-to-all) widen 16-bit
+    floats to float32, so a bfloat16 ``psum`` there sends as many bytes as a
+    float32 one. Here the payload travels as its bits (bitcast to uint16),
+    which no backend widens: a ring reduce-scatter of ``n - 1`` ``ppermute``
+    steps, each adding the received partial sum to the local chunk in
+    float32 and rounding it back to 16 bits, then one all-gather of the
+    reduced chunks (typed invariant). Chunk ``c`` (of ``ceil(D / n)``
+    entries, the vector zero-padded) is summed as ``x_c + x_{c+1} + ... +
+    x_{c-1}`` (worker indices mod ``n``), rounding to 16 bits after each
+    addition, on one worker, and every worker receives the same bits, so the
+    result is bit-identical on all of them. With two workers that is one
+    float32 addition rounded once, like a native 16-bit all-reduce; with more
+    the ``n - 2`` extra roundings are those of any ring all-reduce in 16 bits
+    (NCCL's).
+
+    Communication: each worker sends ``(n - 1) * ceil(D / n) * 2`` bytes in
+    ``n - 1`` ``ppermute`` steps and the same in one all-gather, the bytes of
+    a 16-bit ring all-reduce.
+
+    Returns:
+      The sum, shaped and typed like ``flat``, replicated.
+    """
+    n = axis_size(axis_name, caller=caller)
+    if n == 1:  # nothing travels; psum types the result replicated
+        return jax.lax.psum(flat, axis_name)
+    dtype = flat.dtype
+    size = flat.shape[0]
+    chunk = -(-size // n)
+    chunks = jnp.pad(flat, (0, chunk * n - size)).reshape(n, chunk)
+    me = jax.lax.axis_index(axis_name)
+    send = chunks[me]  # step 0: worker i sends its own entries of chunk i
+    for step in range(1, n):
+        bits = jax.lax.ppermute(jax.lax.bitcast_convert_type(send, jnp.uint16), axis_name, ring_permutation(n, 1))
+        partial = jax.lax.bitcast_convert_type(bits, dtype)  # chunk (i - step) mod n so far
+        own = chunks[(me - step) % n]
+        send = (partial.astype(jnp.float32) + own.astype(jnp.float32)).astype(dtype)
+    # Worker i now holds the sum of chunk (i + 1) mod n.
+    gathered = all_gather(jax.lax.bitcast_convert_type(send, jnp.uint16), axis_name)
+    ordered = jnp.roll(gathered, 1, axis=0)
+    return jax.lax.bitcast_convert_type(ordered, dtype).reshape(-1)[:size]
 
 
 # ----------------------------------------------------------------------------
