@@ -50,6 +50,9 @@ def make(name, lr, mom):
         ),
         "ef_sign": lambda: optax.chain(jd.scaled_sign(), step),
         "qsgd_4": lambda: optax.chain(jd.qsgd(4, bucket_size=512), step),
+        # The previous implementations, kept as options (not in METHODS; pick them with --methods).
+        "random_k_1%_subset": lambda: optax.chain(jd.random_k(density=0.01, pattern="subset"), step),
+        "qsgd_4_threefry": lambda: optax.chain(jd.qsgd(4, bucket_size=512, rng="threefry"), step),
     }[name]()
 
 
@@ -90,8 +93,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16, help="examples per worker per step")
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method names (default: all of METHODS; also random_k_1%%_subset, qsgd_4_threefry)",
+    )
     args = ap.parse_args(argv)
     methods, lrs, momenta, steps, seeds = METHODS, LRS, MOMENTA, args.steps, args.seeds
+    if args.methods:
+        methods = tuple(args.methods.split(","))
     if args.quick:
         methods, lrs, momenta, steps, seeds = ("dense", "top_k_1%"), (0.05,), (0.9,), 20, 1
 

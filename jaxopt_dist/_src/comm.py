@@ -291,7 +291,9 @@ def ring_sum_16bit(flat: jax.Array, axis_name: AxisName, *, caller: str | None =
     me = jax.lax.axis_index(axis_name)
     send = chunks[me]  # step 0: worker i sends its own entries of chunk i
     for step in range(1, n):
-        bits = jax.lax.ppermute(jax.lax.bitcast_convert_type(send, jnp.uint16), axis_name, ring_permutation(n, 1))
+        bits = jax.lax.ppermute(
+            jax.lax.bitcast_convert_type(send, jnp.uint16), axis_name, ring_permutation(n, 1)
+        )
         partial = jax.lax.bitcast_convert_type(bits, dtype)  # chunk (i - step) mod n so far
         own = chunks[(me - step) % n]
         send = (partial.astype(jnp.float32) + own.astype(jnp.float32)).astype(dtype)

@@ -60,8 +60,16 @@ def _split(flat: jax.Array, leaves: Sequence[jax.Array], treedef: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+_UNROLL = 8  # up to this many workers, decoding loops are unrolled so that XLA fuses them
+
+
 def _ordered_sum(n: int, term: Any, init: jax.Array) -> jax.Array:
     """``init + term(0) + term(1) + ... + term(n - 1)``, in that order."""
+    if n <= _UNROLL:
+        acc = init
+        for w in range(n):
+            acc = acc + term(w)
+        return acc
     return jax.lax.fori_loop(0, n, lambda w, acc: acc + term(w), init)
 
 
@@ -166,9 +174,23 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
         def decode(bits, scale):
             return _unpack_signs(bits, total, jnp.float32) * base.repeat_segments(scale, sizes)
 
-        summed = _ordered_sum(n, lambda w: decode(g_packed[w], g_scales[w]), jnp.zeros((total,), jnp.float32))
-        mean = summed / jnp.float32(n)
-        return _split(mean, leaves, treedef), _split(decode(packed, scales), leaves, treedef), state
+        if n > _UNROLL:
+            summed = _ordered_sum(
+                n, lambda w: decode(g_packed[w], g_scales[w]), jnp.zeros((total,), jnp.float32)
+            )
+            mean = _split(summed / jnp.float32(n), leaves, treedef)
+        else:  # per leaf, each worker's signs times its scalar scale: one fused pass
+            signs = [_unpack_signs(g_packed[w], total, jnp.float32) for w in range(n)]
+            means, offset = [], 0
+            for li, (x, d) in enumerate(zip(leaves, sizes)):
+                part = [sg[offset : offset + d] for sg in signs]
+                summed = _ordered_sum(n, lambda w: part[w] * g_scales[w, li], jnp.zeros((d,), jnp.float32))
+                means.append((summed / jnp.float32(n)).reshape(x.shape).astype(x.dtype))
+                offset += d
+            mean = jax.tree.unflatten(treedef, means)
+        # This worker's message, decoded: -scale where x < 0, +scale elsewhere (as the bits say).
+        own = [jnp.where(x < 0, -scales[li], scales[li]).astype(x.dtype) for li, x in enumerate(leaves)]
+        return mean, jax.tree.unflatten(treedef, own), state
 
     return ef.Compressor(lambda params: optax.EmptyState(), compress)
 

@@ -129,6 +129,17 @@ def _scatter(size: int, indices: jax.Array, values: jax.Array) -> jax.Array:
     return jnp.zeros((size,), values.dtype).at[indices].set(values, unique_indices=True)
 
 
+def _keep(v: jax.Array, indices: jax.Array) -> jax.Array:
+    """``v`` at ``indices``, zero elsewhere: equal to ``_scatter(size, indices, v[indices])``.
+
+    Written as a select on a boolean mask, so that XLA fuses it into the
+    error-feedback update (``residual = x - contribution``) instead of
+    writing a dense float vector.
+    """
+    mask = jnp.zeros(v.shape, jnp.bool_).at[indices].set(True, unique_indices=True)
+    return jnp.where(mask, v, jnp.zeros_like(v))
+
+
 def _gather_exchange(
     vectors: Sequence[jax.Array],
     selections: Sequence[tuple[jax.Array, jax.Array] | None],
@@ -232,6 +243,9 @@ def _top_k_compressor(
             vectors = [jnp.ravel(x) for x in leaves]
             selections = [None if kl is None else _largest(v, kl) for v, kl in zip(vectors, plan)]
             out, contrib = _gather_exchange(vectors, selections, axis_name, "top_k")
+            contrib = [
+                c if sel is None else _keep(v, sel[1]) for c, v, sel in zip(contrib, vectors, selections)
+            ]
             return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), state
         p = _flat_plan(sum(_sizes(updates)), k, density, "top_k")
         if p is None:  # k == every entry: all dense
@@ -240,8 +254,9 @@ def _top_k_compressor(
             return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), state
         dtype = jnp.result_type(*leaves)
         flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
-        (out,), (contrib,) = _gather_exchange([flat], [_largest(flat, p)], axis_name, "top_k")
-        return _split(treedef, leaves, out), _split(treedef, leaves, contrib), state
+        selection = _largest(flat, p)
+        (out,), _ = _gather_exchange([flat], [selection], axis_name, "top_k")
+        return _split(treedef, leaves, out), _split(treedef, leaves, _keep(flat, selection[1])), state
 
     return ef.Compressor(init, compress)
 
@@ -517,10 +532,11 @@ def _shared_compressor(
     axis_name: base.AxisName,
     caller: str,
     state_cls: Callable[..., Any],
-    pick: Callable[..., tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]]],
+    pick: Callable[..., tuple[Callable[[jax.Array], jax.Array], ...]],
 ) -> ef.Compressor:
-    """``pick(step_key_for_leaf, size, k) -> (take, put)``: ``take`` reads the k sent
-    entries of a flat leaf, ``put`` writes k values back into a zero leaf."""
+    """``pick(step_key, leaf, size, k) -> (take, put, keep)``: ``take`` reads the k sent
+    entries of a flat leaf, ``put`` writes k values back into a zero leaf, ``keep``
+    zeroes the entries of a flat leaf that are not sent (``put(take(v))``, fusible)."""
 
     def init(params):
         _leaf_plan(_sizes(params), k, density, caller)
@@ -532,19 +548,20 @@ def _shared_compressor(
         leaves, treedef = jax.tree.flatten(updates)
         plan = _leaf_plan(_sizes(updates), k, density, caller)
         key, step_key = jax.random.split(state.key)
-        sent, puts = [], []
+        sent, puts, contrib = [], [], []
         for li, (x, kl) in enumerate(zip(leaves, plan)):
             v = jnp.ravel(x)
             if kl is None:
                 sent.append(v)
                 puts.append(None)
+                contrib.append(v)
             else:
-                take, put = pick(step_key, li, v.shape[0], kl)
+                take, put, keep = pick(step_key, li, v.shape[0], kl)
                 sent.append(take(v))
                 puts.append(put)
+                contrib.append(keep(v))
         means = comm.reduce(sent, axis_name, reduction="mean", flatten=True, caller=caller)
         out = [m if put is None else put(m) for m, put in zip(means, puts)]
-        contrib = [s if put is None else put(s) for s, put in zip(sent, puts)]
         return (
             _unflatten(treedef, leaves, out),
             _unflatten(treedef, leaves, contrib),
@@ -557,7 +574,7 @@ def _shared_compressor(
 def _pick_random(pattern: str):
     def pick(step_key, leaf, size, k):
         idx = random_k_indices(step_key, leaf, size, k, pattern=pattern)
-        return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals))
+        return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals)), (lambda v: _keep(v, idx))
 
     return pick
 
@@ -571,7 +588,11 @@ def _pick_block(step_key, leaf, size, k):
     def put(vals):
         return jnp.roll(jnp.pad(vals, (0, size - k)), start)
 
-    return take, put
+    def keep(v):
+        inside = (jnp.arange(size, dtype=jnp.int32) - start) % size < k
+        return jnp.where(inside, v, jnp.zeros_like(v))
+
+    return take, put, keep
 
 
 def _check_seed(seed: Any) -> int:
