@@ -76,7 +76,8 @@ def train(tx, *, model, params0, x, y, mesh, steps, batch_size, seed):
     step = jd.data_parallel_step(loss_fn, tx, mesh=mesh)
     params, opt_state = step.init(params0)
     loss = float("nan")
-    for batch in demo.batches(x, y, batch_size, steps, seed):
+    for t in range(steps):
+        batch = demo.batch_at(x, y, batch_size, t, seed)
         params, opt_state, metrics = step(params, opt_state, batch)
         # Wait for each step: with 8 devices simulated on few cores, hundreds of queued
         # steps can starve a device thread at a collective's rendezvous.
