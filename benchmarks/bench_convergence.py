@@ -99,6 +99,10 @@ def main(argv=None):
         default=None,
         help="comma-separated method names (default: all of METHODS; also random_k_1%%_subset, qsgd_4_threefry)",
     )
+    ap.add_argument(
+        "--lr", type=float, default=None, help="skip the grid: this learning rate for every method"
+    )
+    ap.add_argument("--momentum", type=float, default=None, help="with --lr: this momentum (default 0)")
     args = ap.parse_args(argv)
     methods, lrs, momenta, steps, seeds = METHODS, LRS, MOMENTA, args.steps, args.seeds
     if args.methods:
@@ -124,12 +128,17 @@ def main(argv=None):
     results = []
     for name in methods:
         grid = SIGN_LRS if name == "sign_vote" and not args.quick else lrs
-        best = None
-        for lr, mom in itertools.product(grid, momenta):
-            params, _ = run(make(name, lr, mom), x=x_fit, y=y_fit, seed=100)
-            val = accuracy(model, params, x_val, y_val)
-            if best is None or val > best[0]:
-                best = (val, lr, mom)
+        if args.lr is not None:
+            grid, momenta = (args.lr,), (args.momentum or 0.0,)
+        best = (None, grid[0], momenta[0])  # a single setting needs no validation run
+        if len(grid) * len(momenta) > 1:
+            best = None
+            for lr, mom in itertools.product(grid, momenta):
+                params, _ = run(make(name, lr, mom), x=x_fit, y=y_fit, seed=100)
+                val = accuracy(model, params, x_val, y_val)
+                if best is None or val > best[0]:
+                    best = (val, lr, mom)
+        assert best is not None
         _, lr, mom = best
         accs, losses = [], []
         for seed in range(seeds):
