@@ -50,6 +50,9 @@ def make(name, lr, mom):
         ),
         "ef_sign": lambda: optax.chain(jd.scaled_sign(), step),
         "qsgd_4": lambda: optax.chain(jd.qsgd(4, bucket_size=512), step),
+        # The previous implementations, kept as options (not in METHODS; pick them with --methods).
+        "random_k_1%_subset": lambda: optax.chain(jd.random_k(density=0.01, pattern="subset"), step),
+        "qsgd_4_threefry": lambda: optax.chain(jd.qsgd(4, bucket_size=512, rng="threefry"), step),
     }[name]()
 
 
@@ -74,7 +77,8 @@ def train(tx, *, model, params0, x, y, mesh, steps, batch_size, seed):
     params, opt_state = step.init(params0)
     loss = float("nan")
     for t in range(steps):
-        params, opt_state, metrics = step(params, opt_state, demo.batch_at(x, y, batch_size, t, seed))
+        batch = demo.batch_at(x, y, batch_size, t, seed)
+        params, opt_state, metrics = step(params, opt_state, batch)
         # Wait for each step: with 8 devices simulated on few cores, hundreds of queued
         # steps can starve a device thread at a collective's rendezvous.
         loss = float(metrics["loss"])
@@ -90,8 +94,19 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16, help="examples per worker per step")
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method names (default: all of METHODS; also random_k_1%%_subset, qsgd_4_threefry)",
+    )
+    ap.add_argument(
+        "--lr", type=float, default=None, help="skip the grid: this learning rate for every method"
+    )
+    ap.add_argument("--momentum", type=float, default=None, help="with --lr: this momentum (default 0)")
     args = ap.parse_args(argv)
     methods, lrs, momenta, steps, seeds = METHODS, LRS, MOMENTA, args.steps, args.seeds
+    if args.methods:
+        methods = tuple(args.methods.split(","))
     if args.quick:
         methods, lrs, momenta, steps, seeds = ("dense", "top_k_1%"), (0.05,), (0.9,), 20, 1
 
@@ -113,12 +128,17 @@ def main(argv=None):
     results = []
     for name in methods:
         grid = SIGN_LRS if name == "sign_vote" and not args.quick else lrs
-        best = None
-        for lr, mom in itertools.product(grid, momenta):
-            params, _ = run(make(name, lr, mom), x=x_fit, y=y_fit, seed=100)
-            val = accuracy(model, params, x_val, y_val)
-            if best is None or val > best[0]:
-                best = (val, lr, mom)
+        if args.lr is not None:
+            grid, momenta = (args.lr,), (args.momentum or 0.0,)
+        best = (None, grid[0], momenta[0])  # a single setting needs no validation run
+        if len(grid) * len(momenta) > 1:
+            best = None
+            for lr, mom in itertools.product(grid, momenta):
+                params, _ = run(make(name, lr, mom), x=x_fit, y=y_fit, seed=100)
+                val = accuracy(model, params, x_val, y_val)
+                if best is None or val > best[0]:
+                    best = (val, lr, mom)
+        assert best is not None
         _, lr, mom = best
         accs, losses = [], []
         for seed in range(seeds):

@@ -67,7 +67,19 @@ def _expected_powersgd(rank, one_allreduce=False):
 # (id, transform factory, per-worker params, expected bytes sent per worker per step)
 CASES = [
     ("all_reduce", lambda: jd.all_reduce(), False, RING * 4 * D),
-    ("all_reduce_bf16_flat", lambda: jd.all_reduce(dtype=jnp.bfloat16, flatten=True), False, RING * 2 * D),
+    (
+        "all_reduce_bf16_flat",
+        lambda: jd.all_reduce(dtype=jnp.bfloat16, flatten=True, bitcast_ring=False),
+        False,
+        RING * 2 * D,
+    ),
+    # The 16-bit ring on the bits: n - 1 ppermutes and one all-gather of ceil(D / n) entries.
+    (
+        "all_reduce_bf16_ring",
+        lambda: jd.all_reduce(dtype=jnp.bfloat16, bitcast_ring=True),
+        False,
+        2 * (N - 1) * -(-D // N) * 2,
+    ),
     (
         "average_params",
         lambda: optax.chain(jd.sgd(0.1), jd.average_params(every=2, num_partitions=2)),
@@ -150,6 +162,7 @@ _HLO_DTYPE = {
     "int32": "s32",
 }
 _HLO_DTYPE.update({"uint32": "u32", "float64": "f64", "bool": "pred", "int16": "s16"})
+_HLO_DTYPE.update({"uint16": "u16"})
 
 
 def _totals(collectives, dtype_of):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,13 +110,14 @@ def _hlo_for(tx, n):
 
 
 def test_flatten_issues_exactly_one_collective():
-    text = _hlo_for(jd.all_reduce(flatten=True, dtype=jnp.bfloat16), 8)
+    # The native all-reduce (on CPU the default for 16-bit wires is the bitcast ring, tested below).
+    text = _hlo_for(jd.all_reduce(flatten=True, dtype=jnp.bfloat16, bitcast_ring=False), 8)
     assert helpers.count_collectives(text) == {"all-reduce": 1}
     # One operand: the packed buffer of all 4*3 + 5 + 1 = 18 values. XLA:CPU widens
     # bf16 reductions to f32 internally, so read the wire dtype off the lowered program.
     (line,) = [ln for ln in text.splitlines() if " all-reduce(" in ln or " all-reduce-start(" in ln]
     assert "[18]" in line
-    lowered = _lowered(jd.all_reduce(flatten=True, dtype=jnp.bfloat16), 8).as_text()
+    lowered = _lowered(jd.all_reduce(flatten=True, dtype=jnp.bfloat16, bitcast_ring=False), 8).as_text()
     assert lowered.count("stablehlo.all_reduce") == 1
     assert "(tensor<18xbf16>) -> tensor<18xbf16>" in lowered
 
@@ -248,3 +251,57 @@ def test_average_params_bad_inputs():
         jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(jnp.ones((2, 3)))
     with pytest.raises(jd.UnboundAxisError, match="average_params"):
         tx.update(jnp.ones(3), tx.init(jnp.ones(3)), jnp.ones(3))
+
+
+# ----------------------------------------------------------------------------
+# 16-bit wire through the bitcast ring (the default on CPU).
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_bitcast_ring_equals_native_for_two_workers(backend, dtype):
+    """Two workers: one float32 addition rounded once, as the native 16-bit all-reduce."""
+    grads = _worker_grads(2, seed=4)
+    ring = helpers.run_transform(jd.all_reduce(dtype=dtype, bitcast_ring=True), grads, backend=backend)
+    native = helpers.run_transform(jd.all_reduce(dtype=dtype, bitcast_ring=False), grads, backend=backend)
+    helpers.assert_trees_equal(ring, native)
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+@pytest.mark.parametrize("n", (3, 8))
+def test_bitcast_ring_sums_in_ring_order(backend, n):
+    """Chunk c is summed x_c + x_{c+1} + ... (mod n), rounded to bf16 after each addition."""
+    grads = _worker_grads(n, seed=n)
+    got = helpers.run_transform(
+        jd.all_reduce(dtype=jnp.bfloat16, bitcast_ring=True, reduction="sum", flatten=True),
+        grads,
+        backend=backend,
+    )
+    leaves = [grads[k] for k in sorted(grads)]  # jax.tree.leaves order
+    flat = np.concatenate([x.reshape(n, -1) for x in leaves], axis=1).astype(jnp.bfloat16)
+    size = flat.shape[1]
+    chunk = -(-size // n)
+    want = np.zeros(chunk * n, np.float32)
+    for c in range(n):
+        for j in range(chunk * c, min(chunk * (c + 1), size)):
+            acc = flat[c, j]
+            for step in range(1, n):
+                acc = (np.float32(acc) + np.float32(flat[(c + step) % n, j])).astype(jnp.bfloat16)
+            want[j] = np.float32(acc)
+    offsets = np.cumsum([0] + [math.prod(x.shape[1:]) for x in leaves])
+    for i, k in enumerate(sorted(grads)):
+        np.testing.assert_array_equal(np.asarray(got[k]).reshape(-1), want[offsets[i] : offsets[i + 1]])
+
+
+def test_bitcast_ring_sends_16_bits():
+    text = _hlo_for(jd.all_reduce(dtype=jnp.bfloat16), 8)  # default on CPU: the ring
+    counts = helpers.count_collectives(text)
+    assert "all-reduce" not in counts
+    assert counts == {"collective-permute": 7, "all-gather": 1}
+    shapes = [m.group("shape") for m in helpers._COLLECTIVE_RE.finditer(text)]
+    assert len(shapes) == 8 and all(sh.startswith("u16[") for sh in shapes), shapes
+
+
+def test_bitcast_ring_bad_argument():
+    with pytest.raises(TypeError, match="`bitcast_ring` must be None or a bool"):
+        jd.all_reduce(dtype=jnp.bfloat16, bitcast_ring="yes")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -489,3 +490,41 @@ def test_qsgd_under_inject_hyperparams_with_static_levels():
 def test_bad_arguments(factory, kwargs, error, match):
     with pytest.raises(error, match=match):
         factory(**kwargs)
+
+
+# ----------------------------------------------------------------------------
+# The hashed uniforms (default) and the threefry option.
+
+
+def test_hash_uniforms_are_uniform_and_key_dependent():
+    u = np.asarray(q.hash_uniforms(jax.random.PRNGKey(0), 100_000))
+    assert u.dtype == np.float32 and u.min() >= 0.0 and u.max() < 1.0
+    assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    hist = np.histogram(u, bins=10, range=(0, 1))[0]
+    assert np.all(np.abs(hist - 10_000) < 500)
+    assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < 0.02  # neighbours uncorrelated
+    v = np.asarray(q.hash_uniforms(jax.random.PRNGKey(1), 100_000))
+    assert np.mean(u == v) < 0.01 and abs(np.corrcoef(u, v)[0, 1]) < 0.02
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+def test_qsgd_threefry_option_matches_reference(backend, monkeypatch):
+    n, T = 3, 4
+    grads = make_grads(3, T, n, zeros=True)
+    us, _, _ = helpers.scan_steps(
+        optax.chain(jd.qsgd(4, seed=1, rng="threefry"), jd.sgd(0.5)), grads, zero_params(), backend=backend
+    )
+    threefry = jax.jit(
+        jax.vmap(lambda k, w, t: q.qsgd_uniforms(k, w, t, rng="threefry"), in_axes=(None, 0, None)),
+        static_argnums=2,
+    )
+    monkeypatch.setattr(sys.modules[__name__], "_uniforms", threefry)
+    ref, _ = np_qsgd_run(grads, 4, 1)
+    for t in range(T):
+        expected = {k: -0.5 * v for k, v in ref[t].items()}
+        helpers.assert_trees_close({k: us[k][t] for k in us}, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_qsgd_bad_rng():
+    with pytest.raises(ValueError, match="`rng` must be one of"):
+        jd.qsgd(4, rng="philox")

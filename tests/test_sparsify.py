@@ -538,3 +538,72 @@ def test_tuple_axis_name_on_a_2d_mesh():
         out = jax.jit(f)(jax.device_put(g, jax.sharding.NamedSharding(mesh, spec)))
         ref, _ = np_sparse_run({"v": g[None]}, select)
         np.testing.assert_allclose(out, ref[0]["v"], rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------
+# Fast paths: the two-level top-k and the strided random-k positions.
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "zeros", "inf"])
+@pytest.mark.parametrize("d, k", [(10, 3), (1000, 7), (5000, 40), (40001, 3)])
+def test_two_level_top_indices_equal_lax_top_k(d, k, kind):
+    """Same indices in the same order as one lax.top_k, ties (lower index first) included."""
+    x = np.random.default_rng(d + k).standard_normal(d).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x)
+    if kind == "zeros":
+        x[: d // 2] = 0.0
+        x[-3:] = -0.0
+    if kind == "inf":
+        x[d // 3], x[d // 2] = np.inf, -np.inf
+    a = jnp.abs(jnp.asarray(x))
+    want = jax.lax.top_k(a, k)[1]
+    got = jax.jit(sp._top_indices, static_argnums=1)(a, k)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+def test_top_k_on_a_large_leaf_matches_reference(backend):
+    """A leaf large enough for the two-level selection, with ties, against the NumPy reference."""
+    shapes = {"w": (50, 40)}
+    n, T = 3, 4
+    grads = make_grads(11, T, n, shapes, zeros=True)
+    grads = {"w": np.round(grads["w"] * 4) / 4}  # many ties
+    us, _, state = helpers.scan_steps(jd.top_k(9), grads, zero_params(shapes), backend=backend)
+    ref, res = np_sparse_run(grads, top_k_select(k=9))
+    for t in range(T):
+        helpers.assert_trees_close({"w": us["w"][t]}, ref[t], rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(state.residual, res, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("size, k", [(50, 5), (1000, 10), (97, 96), (10, 1)])
+def test_strided_random_k_indices_distinct_in_range_and_uniform(size, k):
+    keys = jax.random.split(jax.random.PRNGKey(0), 400)
+    idx = np.asarray(jax.vmap(lambda key: sp.random_k_indices(key, 0, size, k))(keys))
+    assert idx.dtype == np.int32 and idx.min() >= 0 and idx.max() < size
+    assert all(len(set(row)) == k for row in idx)
+    # Every entry is chosen with probability k / size: counts over 400 draws near 400 k / size.
+    counts = np.bincount(idx.ravel(), minlength=size)
+    expected = 400 * k / size
+    assert np.all(np.abs(counts - expected) < 6 * np.sqrt(expected) + 1)
+
+
+@pytest.mark.parametrize("backend", helpers.BACKENDS)
+def test_random_k_subset_pattern_matches_reference(backend):
+    n, T, k = 3, 5, 4
+    grads = make_grads(5, T, n)
+    select = _shared_select(
+        k, 3, lambda key, li, d: np.asarray(sp.random_k_indices(key, li, d, k, pattern="subset"))
+    )
+    us, _, state = helpers.scan_steps(
+        jd.random_k(k, seed=3, pattern="subset"), grads, zero_params(), backend=backend
+    )
+    ref, res = np_sparse_run(grads, select)
+    for t in range(T):
+        helpers.assert_trees_close({kk: us[kk][t] for kk in us}, ref[t], rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(state.residual, res, rtol=1e-5, atol=1e-5)
+
+
+def test_random_k_bad_pattern():
+    with pytest.raises(ValueError, match="`pattern` must be one of"):
+        jd.random_k(3, pattern="blocks")

@@ -32,6 +32,7 @@ def all_reduce(
     flatten: bool = False,
     divide_before: bool = False,
     invariant_updates: str = "sum",
+    bitcast_ring: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Averages (or sums) the updates over all workers: synchronous data parallelism.
 
@@ -69,6 +70,16 @@ def all_reduce(
         yourself, or ``"error"`` to reject invariant updates. Leaves that vary
         over the axis (``vmap``, ``pmap``, ``check_vma=False``, per-worker
         parameters) are all-reduced as usual; mixed trees are handled leaf by leaf.
+      bitcast_ring: with a 16-bit ``dtype``, sum through a ring of ``ppermute``
+        steps on the bits of the payload (``jaxopt_dist._src.comm.ring_sum_16bit``)
+        rather than one all-reduce. XLA:CPU widens 16-bit floats to float32
+        in its collectives, so there a bfloat16 all-reduce sends as many
+        bytes as a float32 one; the ring sends half. None (default) uses the
+        ring when JAX's default backend is CPU and the native all-reduce
+        elsewhere (GPU, TPU); True/False force either. With more than two
+        workers the ring rounds each partial sum to ``dtype`` (as a 16-bit
+        ring all-reduce does), so results differ from the native reduction
+        in the last bits; they are bit-identical on every worker either way.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` with an empty state.
@@ -80,6 +91,10 @@ def all_reduce(
       No state. Leaves that arrive already reduced (typed invariant under
       ``shard_map(check_vma=True)``, see ``invariant_updates``) are not
       communicated.
+      With the 16-bit ring: all leaves of a dtype in one buffer of
+      ``D`` entries, ``n - 1`` ``ppermute`` steps of ``ceil(D / n)`` entries
+      and one all-gather of as many, ``2 (n - 1) ceil(D / n) * 2`` bytes sent
+      per worker in all.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
@@ -94,6 +109,8 @@ def all_reduce(
         raise ValueError(f"`reduction` must be 'mean' or 'sum'; got {reduction!r}.")
     wire = _check_wire_dtype(dtype)
     invariant_updates = comm.check_invariant_mode(invariant_updates)
+    if bitcast_ring is not None and not isinstance(bitcast_ring, bool):
+        raise TypeError(f"`bitcast_ring` must be None or a bool; got {bitcast_ring!r}.")
     for flag, name in ((flatten, "flatten"), (divide_before, "divide_before")):
         if not isinstance(flag, bool):
             raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
@@ -114,6 +131,7 @@ def all_reduce(
             flatten=flatten,
             caller="all_reduce",
             invariant_updates=invariant_updates,
+            bitcast_ring=bitcast_ring,
         )
         return out, state
 

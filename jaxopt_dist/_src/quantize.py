@@ -60,8 +60,16 @@ def _split(flat: jax.Array, leaves: Sequence[jax.Array], treedef: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+_UNROLL = 8  # up to this many workers, decoding loops are unrolled so that XLA fuses them
+
+
 def _ordered_sum(n: int, term: Any, init: jax.Array) -> jax.Array:
     """``init + term(0) + term(1) + ... + term(n - 1)``, in that order."""
+    if n <= _UNROLL:
+        acc = init
+        for w in range(n):
+            acc = acc + term(w)
+        return acc
     return jax.lax.fori_loop(0, n, lambda w, acc: acc + term(w), init)
 
 
@@ -168,9 +176,23 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
         def decode(bits, scale):
             return _unpack_signs(bits, total, jnp.float32) * base.repeat_segments(scale, sizes)
 
-        summed = _ordered_sum(n, lambda w: decode(g_packed[w], g_scales[w]), jnp.zeros((total,), jnp.float32))
-        mean = summed / jnp.float32(n)
-        return _split(mean, leaves, treedef), _split(decode(packed, scales), leaves, treedef), state
+        if n > _UNROLL:
+            summed = _ordered_sum(
+                n, lambda w: decode(g_packed[w], g_scales[w]), jnp.zeros((total,), jnp.float32)
+            )
+            mean = _split(summed / jnp.float32(n), leaves, treedef)
+        else:  # per leaf, each worker's signs times its scalar scale: one fused pass
+            signs = [_unpack_signs(g_packed[w], total, jnp.float32) for w in range(n)]
+            means, offset = [], 0
+            for li, (x, d) in enumerate(zip(leaves, sizes)):
+                part = [sg[offset : offset + d] for sg in signs]
+                summed = _ordered_sum(n, lambda w: part[w] * g_scales[w, li], jnp.zeros((d,), jnp.float32))
+                means.append((summed / jnp.float32(n)).reshape(x.shape).astype(x.dtype))
+                offset += d
+            mean = jax.tree.unflatten(treedef, means)
+        # This worker's message, decoded: -scale where x < 0, +scale elsewhere (as the bits say).
+        own = [jnp.where(x < 0, -scales[li], scales[li]).astype(x.dtype) for li, x in enumerate(leaves)]
+        return mean, jax.tree.unflatten(treedef, own), state
 
     return ef.Compressor(
         lambda params: optax.EmptyState(),
@@ -302,9 +324,47 @@ def qsgd_sum_dtype(levels: int, n: int) -> Any:
     )
 
 
-def qsgd_uniforms(step_key: jax.Array, worker: jax.Array | int, total: int) -> jax.Array:
-    """The float32 uniforms of one worker at one step (``total`` = padded entries of all leaves)."""
-    return jax.random.uniform(jax.random.fold_in(step_key, worker), (total,), jnp.float32)
+_RNGS = ("hash", "threefry")
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection of uint32 that mixes every bit."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def hash_uniforms(key: jax.Array, total: int) -> jax.Array:
+    """``total`` float32 uniforms in ``[0, 1)`` from a raw uint32[2] key, by a counter-based hash.
+
+    Entry ``j`` is ``m(m(j * 0x9E3779B9 + key[0]) XOR key[1]) >> 8``, scaled by
+    ``2**-24``, with ``m`` MurmurHash3's finalizer: about ten integer
+    operations per entry, against threefry's twenty rounds, and the same bits
+    on every backend. Good enough for stochastic rounding, not for
+    cryptography.
+    """
+    k = jnp.asarray(key, jnp.uint32).reshape(-1)
+    counter = jax.lax.iota(jnp.uint32, total)
+    h = _mix32(_mix32(counter * jnp.uint32(0x9E3779B9) + k[0]) ^ k[-1])
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def qsgd_uniforms(
+    step_key: jax.Array, worker: jax.Array | int, total: int, *, rng: str = "hash"
+) -> jax.Array:
+    """The float32 uniforms of one worker at one step (``total`` = padded entries of all leaves).
+
+    Drawn from ``fold_in(step_key, worker)``: by :func:`hash_uniforms` with
+    ``rng="hash"`` (default), by ``jax.random.uniform`` with ``rng="threefry"``.
+    """
+    key = jax.random.fold_in(step_key, worker)
+    if rng == "threefry":
+        return jax.random.uniform(key, (total,), jnp.float32)
+    if rng != "hash":
+        raise ValueError(f"`rng` must be one of {_RNGS}; got {rng!r}.")
+    return hash_uniforms(key, total)
 
 
 def _buckets(d: int, bucket_size: int | None) -> tuple[int, int]:
@@ -340,6 +400,7 @@ def _qsgd_compressor(
     seed: int,
     axis_name: base.AxisName,
     aggregate: str = _DEFAULT_AGGREGATE,
+    rng: str = "hash",
 ) -> ef.Compressor:
     code_dtype = qsgd_code_dtype(levels)
     s = jnp.float32(levels)
@@ -357,7 +418,8 @@ def _qsgd_compressor(
             return updates, updates, QSGDState(key=key)
         sizes = _sizes(leaves)
         shapes = [_buckets(d, bucket_size) for d in sizes]
-        u = qsgd_uniforms(step_key, comm.axis_index(axis_name, caller="qsgd"), sum(m * b for m, b in shapes))
+        worker = comm.axis_index(axis_name, caller="qsgd")
+        u = qsgd_uniforms(step_key, worker, sum(m * b for m, b in shapes), rng=rng)
         blocks, us, norms, offset = [], [], [], 0
         for x, (m, b) in zip(leaves, shapes):
             v = jnp.ravel(x).astype(jnp.float32)
@@ -460,6 +522,7 @@ def qsgd(
     bucket_size: int | None = None,
     error_feedback: bool = False,
     aggregate: str = "all_reduce",
+    rng: str = "hash",
 ) -> optax.GradientTransformationExtraArgs:
     r"""QSGD: unbiased stochastic quantization to ``levels`` levels per sign.
 
@@ -507,10 +570,14 @@ def qsgd(
     Choose ``"all_gather"`` for the exact algorithm of the paper.
 
     Randomness is per worker: the state key is split at each step into
-    ``(next_key, step_key)``; worker ``i`` draws
-    ``jax.random.uniform(fold_in(step_key, i), (P,))`` (:func:`qsgd_uniforms`)
-    for the ``P`` entries of all its leaves, each leaf padded with zeros to a
-    whole number of buckets, laid out leaf after leaf (both modes).
+    ``(next_key, step_key)``; worker ``i`` draws ``P`` uniforms from
+    ``fold_in(step_key, i)`` (:func:`qsgd_uniforms`) for the ``P`` entries of
+    all its leaves, each leaf padded with zeros to a whole number of buckets,
+    laid out leaf after leaf (both modes). By default (``rng="hash"``) they
+    come from a counter-based hash of the entry's position and the key
+    (:func:`hash_uniforms`), about as cheap as reading the gradient;
+    ``rng="threefry"`` uses ``jax.random.uniform``, several times slower than
+    the rest of the update on CPU.
 
     Args:
       levels: :math:`s`, quantization levels per sign (Python int >= 1);
@@ -528,6 +595,8 @@ def qsgd(
       aggregate: ``"all_reduce"`` or ``"all_gather"`` (see above). With
         ``"all_reduce"``, ``levels`` times the number of workers must be at
         most ``2**31 - 1`` (checked when the update is traced).
+      rng: ``"hash"`` (default) or ``"threefry"``: how the rounding's
+        uniforms are drawn (see above).
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -573,6 +642,8 @@ def qsgd(
     _check_bool(error_feedback, "error_feedback")
     if not isinstance(aggregate, str) or aggregate not in _AGGREGATES:
         raise ValueError(f"`aggregate` must be 'all_reduce' or 'all_gather'; got {aggregate!r}.")
+    if not isinstance(rng, str) or rng not in _RNGS:
+        raise ValueError(f"`rng` must be one of {_RNGS}; got {rng!r}.")
     return ef.error_feedback(
-        _qsgd_compressor(levels, bucket_size, seed, axis_name, aggregate), enabled=error_feedback
+        _qsgd_compressor(levels, bucket_size, seed, axis_name, aggregate, rng), enabled=error_feedback
     )
