@@ -327,4 +327,6 @@ def adasum(
                 out[i] = x
         return jax.tree.unflatten(treedef, out), state
 
-    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+    return comm.float_updates(
+        optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn), "adasum"
+    )

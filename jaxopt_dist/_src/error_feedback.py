@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxopt_dist._src import comm
+
 
 class CompressFn(Protocol):
     def __call__(
@@ -126,7 +128,7 @@ def error_feedback(
             count=jnp.asarray(optax.safe_increment(state.count)), residual=residual, inner_state=inner_state
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), "the compressor")
 
 
 def residual(state: ErrorFeedbackState) -> optax.Updates:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxopt_dist._src import base
+from jaxopt_dist._src import base, comm
 
 
 def _compute_dtype(x: jax.Array) -> Any:
@@ -113,7 +113,7 @@ def scale_by_momentum(
             momentum=_cast_tree_like(new_buf, state.momentum),
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), "scale_by_momentum")
 
 
 def _check_momentum(momentum: Any) -> None:
@@ -157,7 +157,7 @@ def _check_lr(learning_rate: Any) -> None:
 
 
 def _chain(*parts: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    return optax.chain(*parts)
+    return comm.float_updates(optax.chain(*parts), "the optimizer")
 
 
 # ----------------------------------------------------------------------------

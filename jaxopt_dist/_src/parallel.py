@@ -66,6 +66,18 @@ def _restack(tree: Any, mask: Any) -> Any:
     return jax.tree.map(lambda x, m: x[None] if m else x, tree, mask)
 
 
+def _float0_for_ints(grads: Any) -> Any:
+    """Integer leaves as the float0 gradients ``jax.grad(..., allow_int=True)`` gives them."""
+    return jax.tree.map(
+        lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else np.zeros(x.shape, jax.dtypes.float0), grads
+    )
+
+
+def _apply_updates(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates``, keeping parameters whose update is float0 (integer leaves) as they are."""
+    return jax.tree.map(lambda p, u: p if comm.is_float0(u) else optax.apply_updates(p, u), params, updates)
+
+
 def _dummy_extras(params: Any, axis_name: base.AxisName) -> dict[str, Any]:
     """Line-search extra args with the types a real step gives (a varying loss)."""
 
@@ -129,7 +141,7 @@ def _trace_placement(
             if per_worker_params:
                 p = jax.tree.map(lambda x: x[0], p)
             s = _unstack(s, mask)
-            g = comm.to_varying(jax.tree.map(lambda x: x[0], g), axis_name)
+            g = _float0_for_ints(comm.to_varying(jax.tree.map(lambda x: x[0], g), axis_name))
             extras = _dummy_extras(p, axis_name)
             u, s2 = tx.update(g, s, p, **extras)
             record["u"] = any(comm.is_varying(x, axis_name) for x in jax.tree.leaves(u))
@@ -575,12 +587,14 @@ class DataParallelStep:
                 return out[0] if has_aux else out
 
             if has_aux:
-                (loss, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(p_var, batch)
+                (loss, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True, allow_int=True)(
+                    p_var, batch
+                )
             else:
-                loss, grads = jax.value_and_grad(scaled_loss)(p_var, batch)
+                loss, grads = jax.value_and_grad(scaled_loss, allow_int=True)(p_var, batch)
                 aux = None
             updates, s2 = tx.update(grads, s, p, value=loss, value_fn=value_fn)
-            new_p = optax.apply_updates(p, updates)
+            new_p = _apply_updates(p, updates)
             metrics = {"loss": comm.pmean(loss if scale is None else loss / scale, axis_name)}
             if has_aux:
                 metrics["aux"] = comm.pmean(aux, axis_name)
