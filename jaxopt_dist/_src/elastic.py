@@ -229,13 +229,17 @@ def reshard_opt_state(
       None: it runs on the host, outside any mapped axis.
 
     Examples:
-      >>> import jax.numpy as jnp, optax, jaxopt_dist as jd
+      >>> import jax.numpy as jnp, numpy as np, optax, jaxopt_dist as jd
       >>> tx = optax.chain(jd.top_k(k=1), jd.sgd(0.1))
-      >>> state8 = jd.reshard_opt_state(tx.init(jnp.zeros(3)), tx, jnp.zeros(3), num_workers=8)
-      >>> state8[0].residual.shape  # zero residuals for 8 workers: nothing owed
-      (8, 3)
-      >>> jd.reshard_opt_state(state8, tx, jnp.zeros(3), num_workers=4)[0].residual.shape
-      (4, 3)
+      >>> params = jnp.zeros(3)
+      >>> ef, sgd_state = tx.init(params)
+      >>> residuals = np.arange(24, dtype=np.float32).reshape(8, 3)  # 8 workers' rows
+      >>> state8 = (ef._replace(residual=residuals), sgd_state)
+      >>> state4 = jd.reshard_opt_state(state8, tx, params, num_workers=4)
+      >>> state4[0].residual[0]  # the mean of workers 0 and 1
+      array([1.5, 2.5, 3.5], dtype=float32)
+      >>> bool(np.allclose(state4[0].residual.mean(0), residuals.mean(0)))
+      True
     """
     m = base.check_positive_int(num_workers, "num_workers")
     axis_name = base.validate_axis_name(axis_name)
