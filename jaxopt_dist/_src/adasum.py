@@ -314,7 +314,9 @@ def adasum(
     cases (orthogonal, parallel, stability, stability_2) pass with its
     criterion in float16 and float32, except float32 ``stability`` on XLA:CPU:
     there arithmetic flushes subnormal float32 values to zero (FTZ/DAZ), and
-    most of that case's entries are subnormal.
+    most of that case's entries are subnormal. In float16 ``stability`` the
+    pair results travel in float16 at subnormal magnitudes, so some draws
+    still miss the criterion.
 
     Args:
       axis_name: the mapped axis (or tuple of axes, under shard_map) to
