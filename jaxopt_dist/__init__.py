@@ -24,6 +24,7 @@ from jaxopt_dist._src.comm import AlreadyReducedError, UnboundAxisError
 from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
+from jaxopt_dist._src.elastic import reshard_opt_state, reshard_params
 from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
@@ -48,6 +49,7 @@ from jaxopt_dist._src.parallel import (
     init_opt_state,
     opt_state_placement,
     opt_state_specs,
+    place_opt_state,
     place_params,
 )
 from jaxopt_dist._src.powersgd import PowerSGDState, compressed_leaves, powersgd
@@ -146,11 +148,14 @@ __all__ = (
     "opt_state_placement",
     "opt_state_specs",
     "partition_leaves",
+    "place_opt_state",
     "place_params",
     "powersgd",
     "project_step_time",
     "qsgd",
     "random_k",
+    "reshard_opt_state",
+    "reshard_params",
     "rmsprop",
     "scale_by_momentum",
     "scaled_sign",

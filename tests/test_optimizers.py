@@ -218,7 +218,11 @@ def test_constant_zero_pieces_are_dropped():
 
 BAD = [
     (lambda: jd.sgd(-0.1), ValueError, r"`learning_rate` must lie in \[0, inf\)"),
-    (lambda: jd.sgd(0.1, -0.5), ValueError, r"`momentum` must lie in \[0, inf\)"),
+    (lambda: jd.sgd(0.1, -0.5), ValueError, r"`momentum` must lie in \[0, 1\)"),
+    (lambda: jd.sgd(0.1, momentum=1.5), ValueError, r"`momentum` must lie in \[0, 1\); got 1.5"),
+    (lambda: jd.sgd(0.1, momentum=1.0, dampening=0.5), ValueError, r"`momentum` must lie in \[0, 1\)"),
+    (lambda: jd.sign_sgd(0.1, momentum=1.0), ValueError, r"`momentum` must lie in \[0, 1\)"),
+    (lambda: jd.scale_by_momentum(2.0), ValueError, r"`momentum` must lie in \[0, 1\)"),
     (lambda: jd.sgd(0.1, 0.9, dampening=1.5), ValueError, r"`dampening` must lie in \[0, 1\]"),
     (lambda: jd.sgd(0.1, 0.9, weight_decay=-1.0), ValueError, r"`weight_decay` must lie"),
     (lambda: jd.sgd(0.1, 0.0, nesterov=True), ValueError, r"Nesterov momentum requires `momentum` > 0"),

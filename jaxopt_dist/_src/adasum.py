@@ -24,6 +24,7 @@ import optax
 from jaxopt_dist._src import base, comm
 
 _METHODS = ("butterfly", "halving")
+_NO_EXPONENT = -(1 << 20)  # below any float's exponent: the scale exponent of a zero leaf
 
 
 def _power_of_two_below(n: int) -> int:
@@ -99,10 +100,28 @@ class _Layout:
             for o, c, s, shape in zip(self.offsets, self.cols, self.sizes, self.shapes)
         ]
 
-    def partial_dots(self, a: jax.Array, b: jax.Array) -> jax.Array:
-        """``[a.b, |a|^2, |b|^2]`` per leaf over the rows held, shape ``(3, L)``."""
-        a = a.astype(self.compute_dtype)
-        b = b.astype(self.compute_dtype)
+    def exponents(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        """Per leaf, the binary exponents ``e`` with ``max|x| = m 2^e``, ``m`` in [0.5, 1): shape ``(2, L)``.
+
+        Over the rows held; ``_NO_EXPONENT`` for a zero leaf (see :func:`_settle`). Dividing a leaf by ``2^e`` is exact
+        and brings its largest entry to [0.5, 1), so its squared norm lies in
+        [0.25, size]: it cannot underflow or overflow.
+        """
+        mags = jnp.stack([jnp.abs(a), jnp.abs(b)]).astype(self.compute_dtype)
+        peaks = jnp.stack(
+            [jnp.max(mags[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
+        )
+        return jnp.where(peaks > 0, jnp.frexp(peaks)[1], _NO_EXPONENT).astype(jnp.int32)
+
+    def _scaled(self, x: jax.Array, e: jax.Array) -> jax.Array:
+        """``x * 2^e`` column by column (``e`` per leaf), exactly where representable."""
+        return _times_pow2(x.astype(self.compute_dtype), base.repeat_segments(e, self.cols)[None, :])
+
+    def partial_dots(self, a: jax.Array, b: jax.Array, exps: jax.Array) -> jax.Array:
+        """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``,
+        for ``a' = a 2^-e_a``, ``b' = b 2^-e_b`` (``exps`` from :meth:`exponents`)."""
+        a = self._scaled(a, -exps[0])
+        b = self._scaled(b, -exps[1])
         # One reduction over the stacked products: the three sums share one
         # summation order, so equal inputs give a.b == |a|^2 == |b|^2 exactly.
         prods = jnp.stack([a * b, a * a, b * b])
@@ -110,26 +129,39 @@ class _Layout:
             [jnp.sum(prods[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
         )
 
-    def combine(self, a: jax.Array, b: jax.Array, dots: jax.Array) -> jax.Array:
-        """``A(a, b)`` leaf by leaf, given the full per-leaf dot products."""
+    def combine(self, a: jax.Array, b: jax.Array, dots: jax.Array, exps: jax.Array) -> jax.Array:
+        """``A(a, b)`` leaf by leaf, from the scaled dot products of :meth:`partial_dots`.
+
+        With ``a = a' 2^e_a`` and ``b = b' 2^e_b``, the term ``(a.b / 2|a|^2) a``
+        equals ``(a'.b' / 2|a'|^2) a' 2^e_b``: every factor stays in range,
+        however far apart the two vectors' magnitudes are.
+        """
         dot, na, nb = dots[0], dots[1], dots[2]
-        ca, cb = _coefficient(dot, na), _coefficient(dot, nb)
-        ca = base.repeat_segments(ca, self.cols)[None, :]
-        cb = base.repeat_segments(cb, self.cols)[None, :]
-        out = ca * a.astype(self.compute_dtype) + cb * b.astype(self.compute_dtype)
-        return out.astype(self.dtype)
+        ra = base.repeat_segments(_half_ratio(dot, na), self.cols)[None, :]
+        rb = base.repeat_segments(_half_ratio(dot, nb), self.cols)[None, :]
+        a32 = a.astype(self.compute_dtype)
+        b32 = b.astype(self.compute_dtype)
+        ta = a32 - self._scaled(ra * self._scaled(a32, -exps[0]), exps[1])
+        tb = b32 - self._scaled(rb * self._scaled(b32, -exps[1]), exps[0])
+        return (ta + tb).astype(self.dtype)
 
 
-def _coefficient(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
-    """``1 - dot / (2 |x|^2)``, and 1 where ``|x|^2`` is below the smallest normal float.
+def _settle(exps: jax.Array) -> jax.Array:
+    """Exponent 0 for zero leaves (any exact scale would do)."""
+    return jnp.where(exps == _NO_EXPONENT, 0, exps)
 
-    With ``|x|^2`` normal, ``|dot| / |x|^2 <= |y| / |x|`` cannot overflow, so a
-    zero (or vanishing) vector gives a finite result: the other vector.
-    """
-    tiny = jnp.finfo(norm_sq.dtype).tiny
-    ok = norm_sq > tiny
-    safe = jnp.where(ok, norm_sq, jnp.ones_like(norm_sq))
-    return jnp.where(ok, 1.0 - dot / (2.0 * safe), jnp.ones_like(norm_sq))
+
+def _times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
+    """``x * 2^e`` in two exact steps, so that neither power of two over- or underflows."""
+    half = e // 2
+    one = jnp.ones((), x.dtype)
+    return x * jnp.ldexp(one, half) * jnp.ldexp(one, e - half)
+
+
+def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
+    """``dot / (2 |x|^2)``, and 0 for a zero vector (whose term is then the vector itself, zero)."""
+    ok = norm_sq > 0
+    return jnp.where(ok, dot / (2.0 * jnp.where(ok, norm_sq, jnp.ones_like(norm_sq))), jnp.zeros_like(dot))
 
 
 def _select(pred: jax.Array, xs: list[jax.Array], ys: list[jax.Array]) -> list[jax.Array]:
@@ -156,11 +188,18 @@ def _run_tree(
     idx = comm.axis_index(axis_name, caller="adasum")
     primary = idx < p
 
-    def dots_of(a, b):
-        return [lay.partial_dots(x, y) for lay, x, y in zip(layouts, a, b)]
+    def exps_of(a, b):
+        return [_settle(lay.exponents(x, y)) for lay, x, y in zip(layouts, a, b)]
 
-    def combine(a, b, dots):
-        return [lay.combine(x, y, d) for lay, x, y, d in zip(layouts, a, b, dots)]
+    def dots_of(a, b, exps):
+        return [lay.partial_dots(x, y, e) for lay, x, y, e in zip(layouts, a, b, exps)]
+
+    def combine(a, b, dots, exps):
+        return [lay.combine(x, y, d, e) for lay, x, y, d, e in zip(layouts, a, b, dots, exps)]
+
+    def pair(a, b):
+        exps = exps_of(a, b)
+        return combine(a, b, dots_of(a, b, exps), exps)
 
     # Fold the workers beyond the largest power of two into partners: worker
     # j < r swaps vectors with worker p + j and both compute A(x_j, x_{p+j}).
@@ -169,7 +208,7 @@ def _run_tree(
         fold += [(j, j) for j in range(r, p)]
         recv = comm.ppermute(bufs, axis_name, fold, caller="adasum")
         a, b = _select(primary, bufs, recv), _select(primary, recv, bufs)
-        folded = combine(a, b, dots_of(a, b))
+        folded = pair(a, b)
         bufs = _select((idx < r) | ~primary, folded, bufs)
 
     extras = [(e, e) for e in range(p, n)]
@@ -179,7 +218,7 @@ def _run_tree(
         if method == "butterfly":
             recv = comm.ppermute(bufs, axis_name, pairs, caller="adasum")
             a, b = _select(low, bufs, recv), _select(low, recv, bufs)
-            bufs = combine(a, b, dots_of(a, b))
+            bufs = pair(a, b)
         else:
             # Recursive halving: keep the half of the rows this worker owns,
             # send the other half to the partner, and sum the partial dot
@@ -190,15 +229,22 @@ def _run_tree(
             send = [jax.lax.dynamic_slice_in_dim(x, half - start, half, axis=0) for x in bufs]
             recv = comm.ppermute(send, axis_name, pairs, caller="adasum")
             a, b = _select(low, keep, recv), _select(low, recv, keep)
-            partial = jnp.concatenate(dots_of(a, b), axis=1)  # (3, L)
             num_groups = p >> (s + 1)
             group = idx >> (s + 1)
             onehot = (jnp.arange(num_groups) == group) & primary
-            slots = jnp.where(onehot[:, None, None], partial[None], jnp.zeros_like(partial[None]))
-            summed = comm.psum(slots, axis_name, caller="adasum")
-            dots = jax.lax.dynamic_index_in_dim(summed, jnp.minimum(group, num_groups - 1), keepdims=False)
             splits = np.cumsum([len(lay.cols) for lay in layouts])[:-1]
-            bufs = combine(a, b, jnp.split(dots, splits, axis=1))
+
+            def over_group(local, reduce, fill):
+                slots = jnp.where(onehot[:, None, None], local[None], jnp.full_like(local[None], fill))
+                out = reduce(slots, axis_name, caller="adasum")
+                mine = jax.lax.dynamic_index_in_dim(out, jnp.minimum(group, num_groups - 1), keepdims=False)
+                return jnp.split(mine, splits, axis=1)
+
+            # The scale of each vector is the largest over the rows the group holds.
+            local = jnp.concatenate([lay.exponents(x, y) for lay, x, y in zip(layouts, a, b)], axis=1)
+            exps = [_settle(e) for e in over_group(local, comm.pmax, _NO_EXPONENT)]
+            partial = jnp.concatenate(dots_of(a, b, exps), axis=1)  # (3, L)
+            bufs = combine(a, b, over_group(partial, comm.psum, 0), exps)
 
     # Every primary worker now holds the result (butterfly: all of it, the
     # same bits on each; halving: the 1/p slice of rows it owns). An
@@ -253,13 +299,24 @@ def adasum(
     log2 p - 1``, worker ``i < p`` pairs with ``i XOR 2**s``, the lower index
     as the first argument. For ``n = 3`` that is ``A(A(x0, x2), x1)``.
 
-    **Numerics.** Dot products and norms are taken in at least float32 (the
-    leaf's dtype if wider), also for bfloat16/float16 updates, and the
-    combination is computed in that precision then cast back; vectors travel
-    in the leaf's dtype. A vector whose squared norm is below the smallest
-    normal float (about ``1e-19`` in norm for float32) counts as zero: its
-    coefficient is 1, so zero updates give a finite result. Outputs are
-    bit-identical on every worker.
+    **Numerics.** Before the dot products, each vector of a pair is divided
+    by the power of two that brings its largest entry into [0.5, 1) (exact),
+    so its squared norm lies in [0.25, size]: the dot products cannot
+    underflow or overflow, whether the entries are subnormal or near the
+    dtype's maximum, and however far apart the two vectors' magnitudes are.
+    The combination is rewritten in the scaled quantities,
+    ``(a.b / 2|a|^2) a = (a'.b' / 2|a'|^2) a' 2^e_b``, so no intermediate leaves
+    the range either. Dot products are taken in at least float32 (the leaf's
+    dtype if wider), also for bfloat16/float16 updates, and the combination is
+    computed in that precision then cast back; vectors travel in the leaf's
+    dtype. A zero vector contributes nothing (the pair sum is the other
+    vector). Outputs are bit-identical on every worker. Horovod's acceptance
+    cases (orthogonal, parallel, stability, stability_2) pass with its
+    criterion in float16 and float32, except float32 ``stability`` on XLA:CPU:
+    there arithmetic flushes subnormal float32 values to zero (FTZ/DAZ), and
+    most of that case's entries are subnormal. In float16 ``stability`` the
+    pair results travel in float16 at subnormal magnitudes, so some draws
+    still miss the criterion.
 
     Args:
       axis_name: the mapped axis (or tuple of axes, under shard_map) to
@@ -282,8 +339,10 @@ def adasum(
       * ``n`` not a power of two: one ppermute of ``N`` (the fold; the
         ``p`` workers without a partner send to themselves).
       * ``"butterfly"``: ``log2 p`` ppermutes of ``N`` each.
-      * ``"halving"``: ``log2 p`` ppermutes of ``N/2, N/4, ..., N/p``, and
-        ``log2 p`` psums of ``3 x leaves x p/2**(s+1)`` float32 dot products.
+      * ``"halving"``: ``log2 p`` ppermutes of ``N/2, N/4, ..., N/p``,
+        ``log2 p`` psums of ``3 x leaves x p/2**(s+1)`` float32 dot products,
+        and ``log2 p`` pmaxes of ``2 x leaves x p/2**(s+1)`` int32 exponents
+        (the scale of each vector over the rows the group holds).
       * Both: one all-gather in which every worker sends ``N/p`` (receives
         ``(n-1) N/p``). The ppermute results already agree bit for bit, but
         shard_map types them per-worker; this gather (which stands in for
@@ -328,4 +387,6 @@ def adasum(
                 out[i] = x
         return jax.tree.unflatten(treedef, out), state
 
-    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+    return comm.float_updates(
+        optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn), "adasum"
+    )

@@ -135,7 +135,9 @@ def all_reduce(
         )
         return out, state
 
-    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+    return comm.float_updates(
+        optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn), "all_reduce"
+    )
 
 
 class AverageParamsState(NamedTuple):
@@ -294,4 +296,4 @@ def average_params(
             count=jnp.asarray(optax.safe_increment(count))
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), "average_params")

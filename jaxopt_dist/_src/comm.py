@@ -735,3 +735,60 @@ def cond(pred: Any, true_fn: Any, false_fn: Any, *operands: Any) -> Any:
         lambda *ops: _cast_to_union(false_fn(*ops), t_shape),
         *operands,
     )
+
+
+# Gradient leaves a transform can communicate.
+
+
+def is_float0(x: Any) -> bool:
+    """True for ``jax.dtypes.float0`` leaves: gradients of integer inputs (``allow_int=True``)."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def float_updates(tx: Any, caller: str) -> Any:
+    """``tx`` with its ``update`` guarded against non-floating gradient leaves.
+
+    ``float0`` leaves (the gradients of integer parameters, e.g. a step counter
+    differentiated with ``jax.grad(..., allow_int=True)``) pass through
+    untouched: the wrapped update sees float32 zeros in their place, which
+    add nothing to any sum, norm or selection, and the output holds the
+    ``float0`` leaf again. Other integer or boolean leaves are rejected:
+    averaging them has no single right rounding, and different transforms
+    would round differently.
+
+    Args:
+      tx: an ``optax.GradientTransformationExtraArgs``.
+      caller: the factory name, for error messages.
+
+    Returns:
+      A transformation of the same type with the guarded ``update``.
+    """
+
+    def update_fn(updates, state, params=None, **extra_args):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(updates)
+        zero = [is_float0(x) for _, x in leaves]
+        for (path, x), z in zip(leaves, zero):
+            if not z and not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+                raise TypeError(
+                    f"{caller}: the updates must be floating point; leaf "
+                    f"{jax.tree_util.keystr(path) or '(root)'} is {jnp.result_type(x)}. Cast them "
+                    "first (e.g. jax.tree.map(lambda g: g.astype(jnp.float32), grads)); gradients of "
+                    "integer parameters (float0, from jax.grad(..., allow_int=True)) pass through."
+                )
+        if not any(zero):
+            return tx.update(updates, state, params, **extra_args)
+        axes = frozenset().union(
+            *(_varying_axes(x) or frozenset() for (_, x), z in zip(leaves, zero) if not z)
+        )
+
+        def zeros(x):
+            z = jnp.zeros(np.shape(x), jnp.float32)
+            return to_varying(z, tuple(axes)) if axes else z
+
+        inner = [zeros(x) if z else x for (_, x), z in zip(leaves, zero)]
+        out, new_state = tx.update(treedef.unflatten(inner), state, params, **extra_args)
+        out_leaves = treedef.flatten_up_to(out)
+        restored = [x if z else o for (_, x), o, z in zip(leaves, out_leaves, zero)]
+        return treedef.unflatten(restored), new_state
+
+    return tx._replace(update=update_fn)

@@ -191,8 +191,9 @@ def error_feedback(
             count=jnp.asarray(optax.safe_increment(state.count)), residual=residual, inner_state=inner_state
         )
 
-    _WRAPPED[update_fn] = compressor
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    tx = comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), "the compressor")
+    _WRAPPED[tx.update] = compressor
+    return tx
 
 
 def residual(state: ErrorFeedbackState) -> optax.Updates:

@@ -269,7 +269,7 @@ def gossip(
             count=jnp.asarray(optax.safe_increment(state.count)), consensus_distance=distance
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), "gossip")
 
 
 def _consensus_distance(

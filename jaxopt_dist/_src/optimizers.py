@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxopt_dist._src import base
+from jaxopt_dist._src import base, comm
 
 
 def _compute_dtype(x: jax.Array) -> Any:
@@ -66,7 +66,8 @@ def scale_by_momentum(
     and ``dampening`` may be schedules.
 
     Args:
-      momentum: momentum factor :math:`\mu \ge 0`, float or schedule.
+      momentum: momentum factor :math:`\mu \in [0, 1)`, float or schedule
+        (a constant >= 1 is rejected; a schedule's values are not checked).
       dampening: dampening :math:`\tau \in [0, 1]`, float or schedule.
       nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
 
@@ -76,7 +77,7 @@ def scale_by_momentum(
     Communication:
       None. The buffer has the placement of the incoming updates.
     """
-    base.check_hyperparameter(momentum, "momentum", lower=0.0)
+    _check_momentum(momentum)
     base.check_hyperparameter(dampening, "dampening", lower=0.0, upper=1.0)
     _check_nesterov(nesterov, momentum, dampening)
     first_step_special = not base.is_constant(dampening, 0.0)
@@ -112,7 +113,14 @@ def scale_by_momentum(
             momentum=_cast_tree_like(new_buf, state.momentum),
         )
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), "scale_by_momentum")
+
+
+def _check_momentum(momentum: Any) -> None:
+    """Momentum must lie in [0, 1): at 1 or above the buffer sums or amplifies
+    every past gradient and the iterates diverge. Schedules and traced values
+    are only known at update time and are not checked."""
+    base.check_hyperparameter(momentum, "momentum", lower=0.0, upper=1.0, upper_open=True)
 
 
 def _check_nesterov(nesterov: bool, momentum: Any, dampening: Any) -> None:
@@ -132,7 +140,7 @@ def _momentum_and_decay(
     weight_decay: optax.ScalarOrSchedule,
     nesterov: bool,
 ) -> list[optax.GradientTransformation]:
-    base.check_hyperparameter(momentum, "momentum", lower=0.0)
+    _check_momentum(momentum)
     base.check_hyperparameter(dampening, "dampening", lower=0.0, upper=1.0)
     base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
     _check_nesterov(nesterov, momentum, dampening)
@@ -149,7 +157,7 @@ def _check_lr(learning_rate: Any) -> None:
 
 
 def _chain(*parts: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    return optax.chain(*parts)
+    return comm.float_updates(optax.chain(*parts), "the optimizer")
 
 
 # ----------------------------------------------------------------------------
@@ -176,7 +184,9 @@ def sgd(
 
     Args:
       learning_rate: :math:`\eta \ge 0`, float or schedule.
-      momentum: :math:`\mu \ge 0`, float or schedule; 0 disables the buffer.
+      momentum: :math:`\mu \in [0, 1)`, float or schedule; 0 disables the
+        buffer. A constant >= 1 (which diverges) is rejected; a schedule's
+        values are not checked.
       dampening: :math:`\tau \in [0, 1]`, float or schedule.
       weight_decay: L2 penalty :math:`\lambda \ge 0` added to the gradient.
       nesterov: Nesterov momentum; rejected with ``momentum <= 0`` or
@@ -224,7 +234,7 @@ def sign_sgd(
 
     Args:
       learning_rate: :math:`\eta \ge 0`, float or schedule.
-      momentum: momentum factor; 0 gives plain signSGD, > 0 signum.
+      momentum: momentum factor in [0, 1); 0 gives plain signSGD, > 0 signum.
       dampening: dampening of the buffer, float or schedule.
       weight_decay: L2 penalty added to the gradient before the buffer.
       nesterov: Nesterov momentum (same rules as :func:`sgd`).

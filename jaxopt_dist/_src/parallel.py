@@ -34,7 +34,7 @@ def _names(axis_name: base.AxisName) -> tuple[Any, ...]:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def _mesh_axis_size(mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> int:
+def _mesh_axis_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, axis_name: base.AxisName) -> int:
     names = _names(axis_name)
     missing = [a for a in names if a not in mesh.shape]
     if missing:
@@ -64,6 +64,18 @@ def _unstack(tree: Any, mask: Any) -> Any:
 
 def _restack(tree: Any, mask: Any) -> Any:
     return jax.tree.map(lambda x, m: x[None] if m else x, tree, mask)
+
+
+def _float0_for_ints(grads: Any) -> Any:
+    """Integer leaves as the float0 gradients ``jax.grad(..., allow_int=True)`` gives them."""
+    return jax.tree.map(
+        lambda x: x if jnp.issubdtype(x.dtype, jnp.inexact) else np.zeros(x.shape, jax.dtypes.float0), grads
+    )
+
+
+def _apply_updates(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates``, keeping parameters whose update is float0 (integer leaves) as they are."""
+    return jax.tree.map(lambda p, u: p if comm.is_float0(u) else optax.apply_updates(p, u), params, updates)
 
 
 def _dummy_extras(params: Any, axis_name: base.AxisName) -> dict[str, Any]:
@@ -129,7 +141,7 @@ def _trace_placement(
     tx: optax.GradientTransformation,
     params: Any,
     *,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
     axis_name: base.AxisName,
     per_worker_params: bool,
 ) -> Placement:
@@ -168,7 +180,7 @@ def _trace_placement(
             if per_worker_params:
                 p = jax.tree.map(lambda x: x[0], p)
             s = _unstack(s, mask)
-            g = comm.to_varying(jax.tree.map(lambda x: x[0], g), axis_name)
+            g = _float0_for_ints(comm.to_varying(jax.tree.map(lambda x: x[0], g), axis_name))
             extras = _dummy_extras(p, axis_name)
             u, s2 = tx.update(g, s, p, **extras)
             record["u"] = any(comm.is_varying(x, axis_name) for x in jax.tree.leaves(u))
@@ -312,7 +324,7 @@ def opt_state_placement(
     tx: optax.GradientTransformation,
     params: Any,
     *,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     per_worker_params: bool = False,
 ) -> Placement:
@@ -470,6 +482,87 @@ def init_opt_state(
     return _place_specs(state, _leaf_specs(placement, axis_name), mesh=mesh)
 
 
+def _check_layout(tree: Any, expected: Any, *, what: str, n: int, axis_name: base.AxisName, fix: str) -> None:
+    """Raises unless ``tree``'s leaves have the shapes of ``expected`` (a layout on ``n`` workers).
+
+    A per-worker leaf stacked for another number of workers would otherwise be
+    resharded silently (rows dropped or split), losing per-worker state.
+    """
+    got, got_def = jax.tree_util.tree_flatten_with_path(tree)
+    want, want_def = jax.tree.flatten(expected)
+    if got_def != want_def:
+        return  # a structural mismatch fails loudly in device_put
+    for (path, x), w in zip(got, want):
+        shape = tuple(np.shape(x))
+        if shape == tuple(w.shape):
+            continue
+        where = f"`{what}` leaf {jax.tree_util.keystr(path) or '(root)'}"
+        per_worker = getattr(w.sharding, "spec", P()) != P()
+        if per_worker and len(shape) == len(w.shape) and shape[1:] == tuple(w.shape[1:]):
+            raise ValueError(
+                f"{where} holds per-worker values for {shape[0]} workers (leading dimension "
+                f"{shape[0]}), but the mesh has {n} workers on axis {axis_name!r}. Passing it on "
+                f"would drop or split workers' rows silently. Regroup it first: {fix}"
+            )
+        raise ValueError(
+            f"{where} has shape {shape}; the layout for {n} workers on axis {axis_name!r} "
+            f"needs {tuple(w.shape)} (per-worker leaves stacked along a leading axis of size "
+            f"{n}, replicated leaves as one copy). Build it with step.init / init_opt_state."
+        )
+
+
+def _reshard_fix(what: str, n: int) -> str:
+    if what == "params":
+        return f"params = jaxopt_dist.reshard_params(params, num_workers={n})."
+    return f"opt_state = jaxopt_dist.reshard_opt_state(opt_state, tx, params, num_workers={n})."
+
+
+def place_opt_state(
+    opt_state: Any,
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+) -> Any:
+    """Places a host copy of ``tx``'s state (e.g. restored from a checkpoint) on ``mesh``.
+
+    ``opt_state`` has the layout of :func:`init_opt_state`: per-worker leaves
+    stacked along a leading axis of size ``n`` (the mesh's workers),
+    replicated leaves as one copy. A state stacked for another number of
+    workers is rejected; regroup it with :func:`jaxopt_dist.reshard_opt_state`.
+
+    Args:
+      opt_state: the state, as NumPy or JAX arrays.
+      tx: the optimizer.
+      params: one copy of the parameters (arrays or ShapeDtypeStructs).
+      mesh: the device mesh.
+      axis_name: the data axis (or tuple of axes) of ``mesh``.
+      per_worker_params: whether parameters differ between workers.
+
+    Returns:
+      The state, per-worker leaves placed ``P(axis_name)``, the rest ``P()``.
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    n = _mesh_axis_size(mesh, axis_name)
+    placement = opt_state_placement(
+        tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
+    )
+    sharded = jax.sharding.NamedSharding(mesh, _spec(axis_name))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    local = jax.eval_shape(tx.init, _abstract(params))
+    expected = jax.tree.map(
+        lambda x, m: _stack_abstract(x, n, sharded) if m else _with_sharding(x, replicated),
+        local,
+        placement.per_worker,
+    )
+    _check_layout(
+        opt_state, expected, what="opt_state", n=n, axis_name=axis_name, fix=_reshard_fix("opt_state", n)
+    )
+    return jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, expected))
+
+
 @dataclasses.dataclass
 class DataParallelStep:
     """A jitted data-parallel training step; see :func:`data_parallel_step`.
@@ -596,12 +689,14 @@ class DataParallelStep:
                 return out[0] if has_aux else out
 
             if has_aux:
-                (loss, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True)(p_var, batch)
+                (loss, aux), grads = jax.value_and_grad(scaled_loss, has_aux=True, allow_int=True)(
+                    p_var, batch
+                )
             else:
-                loss, grads = jax.value_and_grad(scaled_loss)(p_var, batch)
+                loss, grads = jax.value_and_grad(scaled_loss, allow_int=True)(p_var, batch)
                 aux = None
             updates, s2 = tx.update(grads, s, p, value=loss, value_fn=value_fn)
-            new_p = optax.apply_updates(p, updates)
+            new_p = _apply_updates(p, updates)
             metrics = {"loss": comm.pmean(loss if scale is None else loss / scale, axis_name)}
             if has_aux:
                 metrics["aux"] = comm.pmean(aux, axis_name)
@@ -668,7 +763,18 @@ class DataParallelStep:
                     )
             fn = self._build(params, batch)
             self._compiled[("step", key)] = fn
+        self._check_layouts(params, opt_state)
         return fn(params, opt_state, batch)
+
+    def _check_layouts(self, params: Any, opt_state: Any) -> None:
+        """Rejects params or state laid out for another number of workers."""
+        n = self.num_workers
+        key = ("layout", jax.tree.structure(params), tuple(np.shape(x) for x in jax.tree.leaves(params)))
+        if key not in self._compiled:
+            self._compiled[key] = self.abstract_init(self._local_params(params))
+        p_want, s_want = self._compiled[key]
+        for what, tree, want in (("params", params, p_want), ("opt_state", opt_state, s_want)):
+            _check_layout(tree, want, what=what, n=n, axis_name=self.axis_name, fix=_reshard_fix(what, n))
 
 
 def data_parallel_step(
