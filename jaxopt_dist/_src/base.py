@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Hashable
 from typing import Any
@@ -134,3 +135,13 @@ def repeat_segments(values: jax.Array, sizes: Any) -> jax.Array:
     """
     sizes = [int(s) for s in sizes]
     return jnp.concatenate([jnp.broadcast_to(values[i], (s,)) for i, s in enumerate(sizes)])
+
+
+def split_flat(flat: jax.Array, leaves: Any, treedef: Any) -> Any:
+    """Cuts a flat vector back into a tree shaped like ``leaves`` (in their dtypes)."""
+    out, offset = [], 0
+    for x in leaves:
+        size = math.prod(x.shape)
+        out.append(flat[offset : offset + size].reshape(x.shape).astype(x.dtype))
+        offset += size
+    return jax.tree.unflatten(treedef, out)

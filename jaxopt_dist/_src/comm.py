@@ -269,19 +269,23 @@ def _reduce_with_reduced(
     return out
 
 
-def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
-    """psum of a list of arrays as one flat buffer per dtype."""
+def _by_dtype(leaves: Sequence[jax.Array], op: Any) -> list[jax.Array]:
+    """``op`` of the leaves packed into one flat buffer per dtype, cut back into their shapes."""
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
         groups.setdefault(jnp.result_type(x), []).append(i)
     out: list[Any] = [None] * len(leaves)
     for idx in groups.values():
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
-        flat = jax.lax.psum(flat, axis_name)
+        flat = op(jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]))
         offsets = np.cumsum([0] + [int(np.prod(leaves[i].shape)) for i in idx])
         for j, i in enumerate(idx):
             out[i] = flat[offsets[j] : offsets[j + 1]].reshape(leaves[i].shape)
     return out
+
+
+def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """psum of a list of arrays as one flat buffer per dtype."""
+    return _by_dtype(leaves, lambda flat: jax.lax.psum(flat, axis_name))
 
 
 # ----------------------------------------------------------------------------
@@ -298,17 +302,7 @@ def _use_ring(dtype: Any, bitcast_ring: bool | None) -> bool:
 
 def _ring_sum_leaves(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
     """:func:`ring_sum_16bit` of a list of 16-bit float arrays, packed into one buffer per dtype."""
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(jnp.result_type(x), []).append(i)
-    out: list[Any] = [None] * len(leaves)
-    for idx in groups.values():
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in idx])
-        flat = ring_sum_16bit(flat, axis_name)
-        offsets = np.cumsum([0] + [int(np.prod(leaves[i].shape)) for i in idx])
-        for j, i in enumerate(idx):
-            out[i] = flat[offsets[j] : offsets[j + 1]].reshape(leaves[i].shape)
-    return out
+    return _by_dtype(leaves, lambda flat: ring_sum_16bit(flat, axis_name))
 
 
 def ring_sum_16bit(flat: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:

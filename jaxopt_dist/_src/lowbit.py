@@ -27,7 +27,6 @@ that a block's scale (its largest magnitude) maps to 1. E3M0 is
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -134,18 +133,9 @@ def _low_bit_compressor(
         )
         out = _decode(gathered, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
         sent = _decode(mine, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
-        return _split(out, leaves, treedef), _split(sent, leaves, treedef), state
+        return base.split_flat(out, leaves, treedef), base.split_flat(sent, leaves, treedef), state
 
     return ef.Compressor(lambda params: optax.EmptyState(), compress)
-
-
-def _split(flat: jax.Array, leaves: list[jax.Array], treedef: Any) -> Any:
-    out, offset = [], 0
-    for x in leaves:
-        size = math.prod(x.shape)
-        out.append(flat[offset : offset + size].reshape(x.shape).astype(x.dtype))
-        offset += size
-    return jax.tree.unflatten(treedef, out)
 
 
 def low_bit(

@@ -51,15 +51,6 @@ def _unpack_signs(packed: jax.Array, total: int, dtype: Any) -> jax.Array:
     return (1 - 2 * bits.astype(jnp.int32)).astype(dtype)
 
 
-def _split(flat: jax.Array, leaves: Sequence[jax.Array], treedef: Any) -> Any:
-    out, offset = [], 0
-    for x in leaves:
-        size = math.prod(x.shape)
-        out.append(flat[offset : offset + size].reshape(x.shape).astype(x.dtype))
-        offset += size
-    return jax.tree.unflatten(treedef, out)
-
-
 _UNROLL = 8  # up to this many workers, decoding loops are unrolled so that XLA fuses them
 
 
@@ -93,7 +84,7 @@ def _majority_vote_compressor(axis_name: base.AxisName) -> ef.Compressor:
         )
         vote = jnp.sign(n - 2 * negatives)
         own = _unpack_signs(_pack_signs(leaves), total, jnp.float32)
-        return _split(vote, leaves, treedef), _split(own, leaves, treedef), state
+        return base.split_flat(vote, leaves, treedef), base.split_flat(own, leaves, treedef), state
 
     return ef.Compressor(
         lambda params: optax.EmptyState(), compress, axis_name=axis_name, name="sign_majority_vote"
@@ -180,7 +171,7 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
             summed = _ordered_sum(
                 n, lambda w: decode(g_packed[w], g_scales[w]), jnp.zeros((total,), jnp.float32)
             )
-            mean = _split(summed / jnp.float32(n), leaves, treedef)
+            mean = base.split_flat(summed / jnp.float32(n), leaves, treedef)
         else:  # per leaf, each worker's signs times its scalar scale: one fused pass
             signs = [_unpack_signs(g_packed[w], total, jnp.float32) for w in range(n)]
             means, offset = [], 0
@@ -213,7 +204,7 @@ def _scaled_sign_codec() -> ef.Codec:
             return like
         sizes = _sizes(leaves)
         flat = _unpack_signs(message[0], sum(sizes), jnp.float32) * base.repeat_segments(message[1], sizes)
-        return _split(flat, leaves, treedef)
+        return base.split_flat(flat, leaves, treedef)
 
     def encode(updates, state):
         leaves = jax.tree.leaves(updates)
