@@ -50,7 +50,9 @@ COMPRESSORS = {
     "top_k_flat": (lambda: sp._top_k_compressor(4, None, False, "data"), True),
     "threshold": (lambda: sp._threshold_compressor(0.5, 2, "data"), True),
     "random_k": (
-        lambda: sp._shared_compressor(3, None, 0, "data", "random_k", jd.RandomKState, sp._pick_random),
+        lambda: sp._shared_compressor(
+            3, None, 0, "data", "random_k", jd.RandomKState, sp._pick_random("strided")
+        ),
         True,
     ),
     "block_k": (
