@@ -106,7 +106,7 @@ def test_compression_tour_runs_every_compressor():
         assert m["bytes_per_step"] > 0, name
     dense = methods["dense"]["bytes_per_step"]
     assert methods["dense"]["compression_ratio"] == pytest.approx(1.0)
-    assert methods["bf16"]["compression_ratio"] == pytest.approx(2.0)
+    assert methods["bf16"]["compression_ratio"] == pytest.approx(2.0, rel=1e-3)  # ring padding
     ranks = [methods[f"powersgd_r{r}"]["bytes_per_step"] for r in (1, 2, 4)]
     assert ranks == sorted(ranks) and ranks[-1] < dense
     for name in ("top_k", "random_k", "sign_vote", "ef_sign", "qsgd"):
