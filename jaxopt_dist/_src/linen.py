@@ -274,14 +274,8 @@ def data_parallel(
     axis_name = base.validate_axis_name(axis_name)
     if batch_stats not in _BATCH_STATS:
         raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
-        )
-    parallel._mesh_axis_size(mesh, axis_name)
-    auto = jax.sharding.Mesh(
-        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    )
+    parallel.check_mesh(mesh, axis_name)
+    auto = parallel.auto_axes(mesh)
 
     def wrap(f: Callable[..., Any]) -> DataParallelTrainState:
         if not callable(f):

@@ -479,20 +479,11 @@ def data_parallel(
     axis_name = base.validate_axis_name(axis_name)
     if batch_stats not in _BATCH_STATS:
         raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
-        )
-    parallel._mesh_axis_size(mesh, axis_name)
+    parallel.check_mesh(mesh, axis_name)
     if max_steps_in_flight is not None:
         max_steps_in_flight = base.check_positive_int(max_steps_in_flight, "max_steps_in_flight")
 
-    # Arrays placed on a mesh with Explicit axes (jax.make_mesh's default) carry
-    # their mesh in their type, and eager NNX code (metrics.reset(), evaluation
-    # on one device) could no longer mix them with ordinary arrays.
-    auto = jax.sharding.Mesh(
-        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
-    )
+    auto = parallel.auto_axes(mesh)
 
     def wrap(f: Callable[..., Any]) -> DataParallel:
         if not callable(f):

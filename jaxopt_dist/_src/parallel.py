@@ -45,6 +45,27 @@ def _mesh_axis_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, axis_na
     return math.prod(mesh.shape[a] for a in names)
 
 
+def check_mesh(mesh: Any, axis_name: base.AxisName) -> int:
+    """Checks that ``mesh`` is a Mesh with ``axis_name``; returns the number of workers."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
+        )
+    return _mesh_axis_size(mesh, axis_name)
+
+
+def auto_axes(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The same devices and axis names with every axis typed Auto.
+
+    Arrays placed on a mesh with Explicit axes (``jax.make_mesh``'s default on recent
+    JAX) carry that mesh in their type, and eager code (Flax metrics, evaluation on
+    one device) can no longer mix them with ordinary arrays.
+    """
+    return jax.sharding.Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    )
+
+
 def _spec(axis_name: base.AxisName) -> P:
     names = _names(axis_name)
     return P(names[0] if len(names) == 1 else names)
@@ -748,12 +769,16 @@ class DataParallelStep:
         return None
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        # The state's shapes are in the key too: a state laid out for another number of
+        # workers misses the cache and is rejected below instead of being recompiled for.
         key = (
             jax.tree.structure((params, opt_state, batch)),
             tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves((params, batch))),
+            tuple(np.shape(x) for x in jax.tree.leaves(opt_state)),
         )
         fn = self._compiled.get(("step", key))
         if fn is None:
+            self._check_layouts(params, opt_state)
             n = self.num_workers
             for x in jax.tree.leaves(batch):
                 if np.ndim(x) == 0 or np.shape(x)[0] % n:
@@ -763,7 +788,6 @@ class DataParallelStep:
                     )
             fn = self._build(params, batch)
             self._compiled[("step", key)] = fn
-        self._check_layouts(params, opt_state)
         return fn(params, opt_state, batch)
 
     def _check_layouts(self, params: Any, opt_state: Any) -> None:
@@ -862,11 +886,7 @@ def data_parallel_step(
         raise TypeError(
             f"`loss_scale` must be a function of the optimizer state (e.g. jaxopt_dist.loss_scale); got {loss_scale!r}."
         )
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
-        )
-    _mesh_axis_size(mesh, axis_name)
+    check_mesh(mesh, axis_name)
     return DataParallelStep(
         loss_fn=loss_fn,
         tx=tx,
