@@ -173,3 +173,45 @@ def test_accumulate_every_k_1_is_the_inner_transform():
     )
     b, _, _ = helpers.run_steps(inner, grads, helpers.zeros({"w": (4,)}), backend="vmap")
     helpers.assert_trees_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: jd.all_reduce(), lambda: jd.top_k(2), lambda: jd.powersgd(1, min_compression_rate=0.0)]
+)
+def test_communication_cost_is_the_inner_cost_spread_over_every_k(make):
+    params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros((8,))}
+    inner = optax.chain(make(), jd.sgd(LR))
+    plain = jd.communication_cost(inner, params, axis_size=4)
+    acc = jd.communication_cost(jd.accumulate(inner, every_k=4), params, axis_size=4)
+    assert plain.sent_bytes > 0
+    assert acc.sent_bytes == pytest.approx(plain.sent_bytes / 4, rel=1e-12)
+    assert acc.peak_sent_bytes == pytest.approx(plain.sent_bytes, rel=1e-12)  # the k-th step sends it all
+
+
+def test_injected_learning_rate_changes_without_recompiling():
+    # The inner optimizer's hyperparameters live in accumulate's state and can
+    # be changed between calls (a traced value: one compilation).
+    n, k = 2, 2
+    inner = optax.chain(jd.all_reduce(), optax.inject_hyperparams(jd.sgd)(learning_rate=LR))
+    tx = jd.accumulate(inner, every_k=k)
+    traces = []
+
+    def step(g, s, p):
+        traces.append(1)
+        return tx.update(g, s, p)
+
+    run = jax.jit(jax.vmap(step, axis_name="data"))
+    g = {"w": jnp.ones((n, 3))}
+    p = helpers.zeros({"w": (n, 3)})
+    s = jax.vmap(tx.init)(p)
+    updates = []
+    for t in range(2 * k):
+        if t == k:  # halve the learning rate before the second communication
+            hp = s.inner_state[1].hyperparams
+            hp["learning_rate"] = hp["learning_rate"] * 0.5
+        u, s = run(g, s, p)
+        updates.append(np.asarray(u["w"]))
+    assert len(traces) == 1
+    np.testing.assert_allclose(updates[k - 1], -LR)
+    np.testing.assert_allclose(updates[2 * k - 1], -LR / 2)
+    assert all(np.all(updates[t] == 0) for t in range(2 * k) if t % k != k - 1)

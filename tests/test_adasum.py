@@ -504,16 +504,8 @@ def _horovod_case(case, n, dtype, rng):
     return [(q.T, q64.mean(axis=1))]
 
 
-# XLA:CPU computes with denormals flushed to zero (FTZ/DAZ): every float32
-# operation reads a subnormal entry as 0 and writes a subnormal result as 0.
-# Most entries of the float32 "stability" vectors are subnormal, so they are
-# lost before any dot product is formed; only bit-level arithmetic could keep
-# them. float16 vectors are computed in float32, where their subnormals are normal.
-_FTZ = pytest.mark.xfail(
-    strict=True, reason="XLA:CPU flushes float32 subnormals to zero in arithmetic (FTZ/DAZ)"
-)
 HOROVOD_CASES = [
-    pytest.param(case, dtype, marks=_FTZ if (case, dtype) == ("stability", np.float32) else ())
+    (case, dtype)
     for case in ("orthogonal", "parallel", "stability", "stability_2")
     for dtype in (np.float32, np.float16)
 ]

@@ -49,6 +49,15 @@ TRANSFORMS = [
     ("dynamic_loss_scale", lambda: jd.dynamic_loss_scale(jd.sgd(0.1), axis_name="data"), False),
     ("apply_if_finite_everywhere", lambda: jd.apply_if_finite_everywhere(jd.sgd(0.1)), False),
     ("dim_reduce", lambda: jd.dim_reduce(_BASIS), False),
+    ("accumulate", lambda: jd.accumulate(optax.chain(jd.top_k(k=2), jd.sgd(0.1, 0.9)), every_k=2), False),
+    ("mean_value", lambda: jd.mean_value(optax.contrib.reduce_on_plateau(patience=1)), False),
+    ("low_bit", lambda: jd.low_bit(block_size=4), False),
+    ("diloco", lambda: jd.diloco(jd.sgd(0.1), sync_every=2, aggregate=jd.low_bit(block_size=4)), True),
+    ("diloco_streaming", lambda: jd.diloco(jd.sgd(0.1), sync_every=4, num_fragments=2, sync_delay=1), True),
+    ("decoupled_momentum", lambda: jd.decoupled_momentum(0.01, chunk=2, topk=1), False),
+    ("onebit_adam", lambda: jd.onebit_adam(0.01, freeze_step=1, num_workers=N), False),
+    ("choco_gossip", lambda: jd.choco_gossip(jd.top_k(k=2), consensus_step=0.5), True),
+    # hierarchical needs two mesh axes: its contract checks are in test_hierarchical.py.
 ]
 # Transforms whose output is not their input's dtype by design: master_weights emits
 # float32 updates for bf16 params (tested in test_precision.py).
@@ -66,8 +75,17 @@ _CENTRALIZED = {
     "powersgd_one_allreduce",
     "adasum",
     "adasum_halving",
+    "low_bit",
 }
-_SELF_CONTAINED = {"dim_reduce"}  # aggregates and steps on its own
+# Aggregate and step on their own (diloco: local steps and the outer step).
+_SELF_CONTAINED = {
+    "dim_reduce",
+    "accumulate",
+    "decoupled_momentum",
+    "onebit_adam",
+    "diloco",
+    "diloco_streaming",
+}
 IDS = [t[0] for t in TRANSFORMS]
 N = 2
 PARAMS = {"w": jnp.ones((4, 3), jnp.float32), "b": jnp.zeros((3,), jnp.float32)}
@@ -85,12 +103,12 @@ def _stack(tree):
 def _chain(name, factory, per_worker):
     """The transform in a typical chain."""
     tx = factory()
+    if name in _SELF_CONTAINED:
+        return tx
     if per_worker:
         return optax.chain(jd.sgd(0.1), tx)  # local step, then combine parameters
     if name in _CENTRALIZED:
         return optax.chain(tx, jd.sgd(0.1, 0.9))  # combine gradients, then step
-    if name in _SELF_CONTAINED:
-        return tx
     return optax.chain(jd.all_reduce(), tx)  # aggregate, then the local transform
 
 
@@ -164,11 +182,15 @@ _ONE_WORKER = {
     "gossip_ring": lambda: jd.sgd(0.1),
     "adasum": lambda: jd.sgd(0.1, 0.9),
     "adasum_halving": lambda: jd.sgd(0.1, 0.9),
+    "choco_gossip": lambda: jd.sgd(0.1),
 }
 # Lossy compressors (lossy on one worker too), dim_reduce and iterate_average have
 # their own one-worker tests in their modules' test files.
+# mean_value needs the loss as an extra arg: test_wrappers.py checks it on one and more workers.
 _ONE_WORKER_CASES = [
-    t for t in TRANSFORMS if t[0] in _ONE_WORKER or not (t[0] in _CENTRALIZED or t[0] in _SELF_CONTAINED)
+    t
+    for t in TRANSFORMS
+    if t[0] in _ONE_WORKER or not (t[0] in _CENTRALIZED or t[0] in _SELF_CONTAINED or t[0] == "mean_value")
 ]
 
 
@@ -192,6 +214,8 @@ def test_one_worker_equals_local_computation(name, factory, per_worker):
 def test_data_parallel_step_places_state(name, factory, per_worker):
     """Every transform trains under data_parallel_step on 4 devices (shard_map, check_vma)."""
     mesh = helpers.make_mesh(4)
+    if name == "onebit_adam":  # sized for its worker count
+        factory = lambda: jd.onebit_adam(0.01, freeze_step=1, num_workers=4)  # noqa: E731
     tx = _chain(name, factory, per_worker)
 
     def loss_fn(p, b):
@@ -230,7 +254,8 @@ def test_outside_a_mapped_axis(name, factory, per_worker):
         updates, _ = call()
         helpers.assert_dtypes_equal(updates, g)
         return
-    caller = next(
+    inner = {"accumulate": "top_k"}  # accumulate's inner transform is the one that communicates
+    caller = inner.get(name) or next(
         c
         for c in (
             "all_reduce",
@@ -248,6 +273,13 @@ def test_outside_a_mapped_axis(name, factory, per_worker):
             "dynamic_loss_scale",
             "apply_if_finite_everywhere",
             "dim_reduce",
+            "accumulate",
+            "mean_value",
+            "low_bit",
+            "diloco",
+            "decoupled_momentum",
+            "onebit_adam",
+            "choco_gossip",
         )
         if name.startswith(c)
     )

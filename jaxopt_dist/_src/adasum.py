@@ -105,17 +105,21 @@ class _Layout:
 
         Over the rows held; ``_NO_EXPONENT`` for a zero leaf (see :func:`_settle`). Dividing a leaf by ``2^e`` is exact
         and brings its largest entry to [0.5, 1), so its squared norm lies in
-        [0.25, size]: it cannot underflow or overflow.
+        [0.25, size]: it cannot underflow or overflow. Read from the bits, so
+        subnormal entries count (a backend that flushes them in arithmetic
+        would see zeros).
         """
-        mags = jnp.stack([jnp.abs(a), jnp.abs(b)]).astype(self.compute_dtype)
+        mags = jnp.stack(
+            [_magnitude_bits(a.astype(self.compute_dtype)), _magnitude_bits(b.astype(self.compute_dtype))]
+        )
         peaks = jnp.stack(
             [jnp.max(mags[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
         )
-        return jnp.where(peaks > 0, jnp.frexp(peaks)[1], _NO_EXPONENT).astype(jnp.int32)
+        return _frexp_exponent(peaks, self.compute_dtype)
 
     def _scaled(self, x: jax.Array, e: jax.Array) -> jax.Array:
-        """``x * 2^e`` column by column (``e`` per leaf), exactly where representable."""
-        return _times_pow2(x.astype(self.compute_dtype), base.repeat_segments(e, self.cols)[None, :])
+        """``x * 2^e`` column by column (``e`` per leaf), rounded once (see :func:`_ldexp_exact`)."""
+        return _ldexp_exact(x.astype(self.compute_dtype), base.repeat_segments(e, self.cols)[None, :])
 
     def partial_dots(self, a: jax.Array, b: jax.Array, exps: jax.Array) -> jax.Array:
         """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``,
@@ -132,18 +136,27 @@ class _Layout:
     def combine(self, a: jax.Array, b: jax.Array, dots: jax.Array, exps: jax.Array) -> jax.Array:
         """``A(a, b)`` leaf by leaf, from the scaled dot products of :meth:`partial_dots`.
 
-        With ``a = a' 2^e_a`` and ``b = b' 2^e_b``, the term ``(a.b / 2|a|^2) a``
-        equals ``(a'.b' / 2|a'|^2) a' 2^e_b``: every factor stays in range,
-        however far apart the two vectors' magnitudes are.
+        With ``a = a' 2^e_a``, ``b = b' 2^e_b`` and ``m = max(e_a, e_b)``, the
+        pair sum is formed at the scale ``2^-m``, where its largest entries
+        are near 1,
+
+        ``A(a, b) 2^-m = (a' - r_a a' 2^(e_b - e_a)) 2^(e_a - m) + (b' - r_b b' 2^(e_a - e_b)) 2^(e_b - m)``
+
+        with ``r = a'.b' / 2|.|^2``, and scaled back by ``2^m`` at the end:
+        every factor stays in range, however far apart the two vectors'
+        magnitudes are, and a result in the subnormal range is rounded from
+        its bits. In the normal range this is the same arithmetic, rounding
+        for rounding, as the formula unscaled.
         """
         dot, na, nb = dots[0], dots[1], dots[2]
         ra = base.repeat_segments(_half_ratio(dot, na), self.cols)[None, :]
         rb = base.repeat_segments(_half_ratio(dot, nb), self.cols)[None, :]
-        a32 = a.astype(self.compute_dtype)
-        b32 = b.astype(self.compute_dtype)
-        ta = a32 - self._scaled(ra * self._scaled(a32, -exps[0]), exps[1])
-        tb = b32 - self._scaled(rb * self._scaled(b32, -exps[1]), exps[0])
-        return (ta + tb).astype(self.dtype)
+        top = jnp.maximum(exps[0], exps[1])
+        a1 = self._scaled(a, -exps[0])
+        b1 = self._scaled(b, -exps[1])
+        ta = self._scaled(a1, exps[0] - top) - self._scaled(ra * a1, exps[1] - top)
+        tb = self._scaled(b1, exps[1] - top) - self._scaled(rb * b1, exps[0] - top)
+        return self._scaled(ta + tb, top).astype(self.dtype)
 
 
 def _settle(exps: jax.Array) -> jax.Array:
@@ -151,11 +164,64 @@ def _settle(exps: jax.Array) -> jax.Array:
     return jnp.where(exps == _NO_EXPONENT, 0, exps)
 
 
-def _times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
-    """``x * 2^e`` in two exact steps, so that neither power of two over- or underflows."""
-    half = e // 2
-    one = jnp.ones((), x.dtype)
-    return x * jnp.ldexp(one, half) * jnp.ldexp(one, e - half)
+def _bit_layout(dtype: Any) -> tuple[int, int, Any, Any]:
+    """``(mantissa bits, exponent bias, unsigned int type, signed int type)`` of a float32/float64."""
+    info = jnp.finfo(dtype)
+    width = jnp.dtype(dtype).itemsize * 8
+    return info.nmant, info.maxexp - 1, jnp.dtype(f"uint{width}"), jnp.dtype(f"int{width}")
+
+
+def _magnitude_bits(x: jax.Array) -> jax.Array:
+    """``|x|`` as unsigned bits: for finite floats their order is the order of magnitudes."""
+    _, _, ut, _ = _bit_layout(x.dtype)
+    bits = jax.lax.bitcast_convert_type(x, ut)
+    return bits & ut.type(np.iinfo(ut).max >> 1)
+
+
+def _bit_length(m: jax.Array) -> jax.Array:
+    return (m.dtype.itemsize * 8 - jax.lax.clz(m)).astype(jnp.int32)
+
+
+def _frexp_exponent(mag_bits: jax.Array, dtype: Any) -> jax.Array:
+    """The exponent of ``frexp`` of the float whose magnitude bits are given (subnormals included)."""
+    nmant, bias, ut, _ = _bit_layout(dtype)
+    field = (mag_bits >> nmant).astype(jnp.int32)
+    frac = mag_bits & ut.type((1 << nmant) - 1)
+    sub = _bit_length(frac) - (bias + nmant - 1)
+    e = jnp.where(field > 0, field - (bias - 1), sub)
+    return jnp.where(mag_bits > 0, e, _NO_EXPONENT).astype(jnp.int32)
+
+
+def _ldexp_exact(x: jax.Array, e: jax.Array) -> jax.Array:
+    """``x * 2^e`` rounded once to nearest (ties to even), by integer arithmetic on the bits.
+
+    Right for subnormal inputs and results, which XLA:CPU's float arithmetic
+    flushes to zero (FTZ/DAZ); overflow gives infinity, and non-finite
+    inputs pass through.
+    """
+    nmant, bias, ut, it = _bit_layout(x.dtype)
+    bits = jax.lax.bitcast_convert_type(x, ut)
+    sign = bits & ut.type(1 << (ut.itemsize * 8 - 1))
+    field = ((bits >> nmant) & ut.type(2 * bias + 1)).astype(it)
+    frac = bits & ut.type((1 << nmant) - 1)
+    sig = jnp.where(field > 0, frac | ut.type(1 << nmant), frac)  # x = sig 2^k
+    k = jnp.maximum(field, 1) - (bias + nmant)
+    length = _bit_length(sig).astype(it)
+    target = k + e + length - 1 + bias  # biased exponent of the result when normal
+    normal = (target.astype(ut) << nmant) | (
+        (sig << (nmant + 1 - length).astype(ut)) & ut.type((1 << nmant) - 1)
+    )
+    shift = (k + e + (bias + nmant - 1)).astype(it)  # subnormal result: sig 2^shift units of the last place
+    up = sig << jnp.clip(shift, 0, nmant).astype(ut)
+    r = jnp.clip(-shift, 1, nmant + 2).astype(ut)
+    q, rem, half = sig >> r, sig & ((ut.type(1) << r) - 1), ut.type(1) << (r - 1)
+    down = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(ut)
+    tiny = jnp.where(shift >= 0, up, down)
+    out = jnp.where(
+        target >= 2 * bias + 1, ut.type((2 * bias + 1) << nmant), jnp.where(target >= 1, normal, tiny)
+    )
+    out = jnp.where((sig == 0) | (field == 2 * bias + 1), bits, sign | out)
+    return jax.lax.bitcast_convert_type(out, x.dtype)
 
 
 def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
@@ -300,23 +366,25 @@ def adasum(
     as the first argument. For ``n = 3`` that is ``A(A(x0, x2), x1)``.
 
     **Numerics.** Before the dot products, each vector of a pair is divided
-    by the power of two that brings its largest entry into [0.5, 1) (exact),
-    so its squared norm lies in [0.25, size]: the dot products cannot
-    underflow or overflow, whether the entries are subnormal or near the
-    dtype's maximum, and however far apart the two vectors' magnitudes are.
-    The combination is rewritten in the scaled quantities,
-    ``(a.b / 2|a|^2) a = (a'.b' / 2|a'|^2) a' 2^e_b``, so no intermediate leaves
-    the range either. Dot products are taken in at least float32 (the leaf's
-    dtype if wider), also for bfloat16/float16 updates, and the combination is
-    computed in that precision then cast back; vectors travel in the leaf's
-    dtype. A zero vector contributes nothing (the pair sum is the other
-    vector). Outputs are bit-identical on every worker. Horovod's acceptance
-    cases (orthogonal, parallel, stability, stability_2) pass with its
-    criterion in float16 and float32, except float32 ``stability`` on XLA:CPU:
-    there arithmetic flushes subnormal float32 values to zero (FTZ/DAZ), and
-    most of that case's entries are subnormal. In float16 ``stability`` the
-    pair results travel in float16 at subnormal magnitudes, so some draws
-    still miss the criterion.
+    by the power of two that brings its largest entry into [0.5, 1), so its
+    squared norm lies in [0.25, size]: the dot products cannot underflow or
+    overflow, whether the entries are subnormal or near the dtype's maximum,
+    and however far apart the two vectors' magnitudes are. The pair sum is
+    formed at the scale of the larger vector and scaled back at the end. The
+    scalings work on the bits of the floats (exact, one rounding where a
+    result lands among the subnormals), because XLA:CPU flushes subnormal
+    float32 operands and results to zero in arithmetic. Dot products are
+    taken in at least float32 (the leaf's dtype if wider), also for
+    bfloat16/float16 updates, and the combination is computed in that
+    precision then cast back; vectors travel in the leaf's dtype. A zero
+    vector contributes nothing (the pair sum is the other vector). Outputs
+    are bit-identical on every worker. Horovod's acceptance cases
+    (orthogonal, parallel, stability, stability_2) pass with its criterion
+    in float32 and float16. In ``stability`` the pair results travel in the
+    leaf's dtype at subnormal magnitudes (rounded to the subnormal grid at
+    each level of the tree), so other draws than Horovod's, whose columns
+    nearly cancel in the mean, can miss its criterion (by up to 10x in
+    float32 on 4 and 8 workers).
 
     Args:
       axis_name: the mapped axis (or tuple of axes, under shard_map) to
