@@ -46,7 +46,9 @@ inside it) and ``optimizer.step()``.
 
 ``--e2e``: wall-clock time to a fixed test accuracy on digits at 100 Mbit/s,
 2 processes, for dense, PowerSGD, top-k and the bf16 wire (see
-:func:`run_e2e_worker`).
+:func:`run_e2e_worker`). ``--e2e --e2e-set lowcomm``: the same for dense
+data-parallel AdamW, DiLoCo and Streaming DiLoCo (:func:`e2e_lowcomm_methods`;
+target 97%).
 
 Run::
 
@@ -54,6 +56,7 @@ Run::
     python benchmarks/bench_network.py --rates 1gbit,100mbit --procs 4
     python benchmarks/bench_network.py --methods dense,powersgd_r1 --repeats 7
     python benchmarks/bench_network.py --e2e
+    python benchmarks/bench_network.py --e2e --e2e-set lowcomm
     python benchmarks/bench_network.py --from-json saved.json   # reprint a --json run
 
 On one's own cluster (no shaping; the link is whatever connects the hosts),
@@ -522,7 +525,8 @@ def _worker_argv(
     if kind == "e2e":
         argv += ["--e2e-target", str(args.e2e_target), "--e2e-hidden", str(args.e2e_hidden)]
         argv += ["--e2e-batch", str(args.e2e_batch), "--e2e-max-steps", str(args.e2e_max_steps)]
-        argv += ["--e2e-eval-every", str(args.e2e_eval_every)]
+        argv += ["--e2e-eval-every", str(args.e2e_eval_every), "--e2e-set", args.e2e_set]
+        argv += ["--e2e-methods", ",".join(args.e2e_methods)]
     if args.shape:
         argv.append("--shape")
     if args.verbose:
@@ -685,11 +689,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jax-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--e2e-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--e2e-target", type=float, default=0.9, help="test accuracy to reach (--e2e)")
+    p.add_argument(
+        "--e2e-target", type=float, default=None, help="test accuracy to reach (--e2e; 0.9, lowcomm set 0.97)"
+    )
     p.add_argument("--e2e-hidden", type=int, default=512, help="hidden width of the --e2e MLP")
     p.add_argument("--e2e-batch", type=int, default=128, help="global batch of the --e2e run")
     p.add_argument("--e2e-max-steps", type=int, default=600)
     p.add_argument("--e2e-eval-every", type=int, default=10)
+    p.add_argument(
+        "--e2e-set",
+        choices=("default", "lowcomm"),
+        default="default",
+        help="--e2e rows: default (dense, PowerSGD, top-k, bf16 with SGD) or lowcomm (dense AdamW, DiLoCo)",
+    )
+    p.add_argument("--e2e-methods", default="", help="comma-separated rows of the --e2e set (default: all)")
     p.add_argument("--torch-coordinator", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="also write process 0's results to this JSON file")
@@ -705,6 +718,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--torch-methods must be a subset of {list(TORCH_METHODS)}; got {bad}")
     if args.methods is not None:
         args.methods = [m for m in args.methods.split(",") if m]
+    args.e2e_methods = [m for m in args.e2e_methods.split(",") if m]
+    if args.e2e_target is None:
+        args.e2e_target = 0.97 if args.e2e_set == "lowcomm" else 0.9
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     if args.procs < 1:
@@ -726,6 +742,14 @@ def _all_method_names() -> list[str]:
     return list(methods(_Any(), _Any()))
 
 
+def _e2e_names(args: argparse.Namespace) -> list[str]:
+    class _Any:
+        def __getattr__(self, name: str) -> Any:
+            return self
+
+    return list(e2e_rows(args, _Any(), _Any(), _Any()))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.methods is None:
@@ -733,6 +757,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in args.methods if m not in _all_method_names()]
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; known: {_all_method_names()}")
+    known = _e2e_names(args)
+    unknown = [m for m in args.e2e_methods if m not in known]
+    if unknown:
+        raise SystemExit(f"--e2e-methods: unknown {unknown}; known in --e2e-set {args.e2e_set}: {known}")
 
     if args.from_json:
         saved = json.loads(pathlib.Path(args.from_json).read_text())
@@ -815,6 +843,52 @@ def e2e_methods(jd: Any, jnp: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
     }
 
 
+E2E_LR, E2E_WD = 1e-3, 1e-4
+"""AdamW of the ``lowcomm`` set: constant learning rate, weight decay (dense and DiLoCo's inner)."""
+
+
+def e2e_lowcomm_methods(jd: Any, optax: Any) -> dict[str, tuple[str, Callable[[], Any], bool]]:
+    """The ``--e2e-set lowcomm`` rows: name -> (label, factory of the whole optimizer, per-worker params).
+
+    Dense data-parallel AdamW (the baseline) and the DiLoCo family with the
+    same AdamW as inner optimizer and the default outer optimizer (Nesterov
+    SGD, 0.7, momentum 0.9). The per-worker rows are evaluated on the anchor
+    (the global parameters), which changes only when a fragment lands.
+    """
+
+    def adamw() -> Any:
+        return optax.adamw(E2E_LR, weight_decay=E2E_WD)
+
+    return {
+        "dense": ("all_reduce() + AdamW", lambda: optax.chain(jd.all_reduce(), adamw()), False),
+        "diloco": ("diloco(AdamW, sync_every=50)", lambda: jd.diloco(adamw(), sync_every=50), True),
+        "streaming": (
+            "diloco(AdamW, sync_every=60, num_fragments=4, aggregate=low_bit())",
+            lambda: jd.diloco(adamw(), sync_every=60, num_fragments=4, aggregate=jd.low_bit()),
+            True,
+        ),
+        "streaming_tau5": (
+            "the same, sync_delay=5, mixing=0.5",
+            lambda: jd.diloco(
+                adamw(), sync_every=60, num_fragments=4, aggregate=jd.low_bit(), sync_delay=5, mixing=0.5
+            ),
+            True,
+        ),
+    }
+
+
+def e2e_rows(
+    args: argparse.Namespace, jd: Any, jnp: Any, optax: Any
+) -> dict[str, tuple[str, Callable[[], Any], bool]]:
+    """The rows of ``--e2e-set``: name -> (label, factory of the whole optimizer, per-worker params)."""
+    if args.e2e_set == "lowcomm":
+        return e2e_lowcomm_methods(jd, optax)
+    return {
+        name: (label, lambda make=make: optax.chain(make(), jd.sgd(0.05, momentum=0.9)), False)
+        for name, (label, make) in e2e_methods(jd, jnp).items()
+    }
+
+
 def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
     """Trains a 64-H-H-10 tanh MLP on digits until the test accuracy reaches the target, per method.
 
@@ -870,9 +944,12 @@ def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
     shaped = args.shape
     rate = E2E_RATE if shaped else "unshaped"
     results: dict[str, Any] = {}
-    for name, (label, make) in e2e_methods(jd, jnp).items():
-        tx = optax.chain(make(), jd.sgd(0.05, momentum=0.9))
-        step = jd.data_parallel_step(loss_fn, tx, mesh=mesh)
+    rows = e2e_rows(args, jd, jnp, optax)
+    for name, (label, make, per_worker) in rows.items():
+        if args.e2e_methods and name not in args.e2e_methods:
+            continue
+        tx = make()
+        step = jd.data_parallel_step(loss_fn, tx, mesh=mesh, per_worker_params=per_worker)
         if shaped and me == 0:
             set_rate("unshaped")
         params, state = step.init(params0)
@@ -880,18 +957,22 @@ def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
         if shaped and me == 0:
             set_rate(rate)
         jax.block_until_ready(step(params, state, batch_at(0))[2])  # both processes pass here
-        clock, t, acc = 0.0, 0, 0.0
+        clock, t, acc, times = 0.0, 0, 0.0, []
         while t < args.e2e_max_steps:
             t0 = time.perf_counter()
             params, state, metrics = step(params, state, batch_at(t))
             jax.block_until_ready(metrics)
-            clock += time.perf_counter() - t0
+            jax.block_until_ready(params)
+            times.append(time.perf_counter() - t0)
+            clock += times[-1]
             t += 1
             if t % args.e2e_eval_every == 0:
-                p_host = {k: np.asarray(v) for k, v in params.items()}
+                model = state.anchor if per_worker else params  # per-worker rows: the global parameters
+                p_host = {k: np.asarray(v) for k, v in model.items()}
                 acc = float(accuracy(p_host, x_test, y_test))
                 if acc >= args.e2e_target:
                     break
+        cost = jd.communication_cost(tx, params0, axis_size=n)
         results[name] = {
             "label": label,
             "steps": t,
@@ -899,7 +980,10 @@ def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
             "accuracy": acc,
             "seconds": clock,
             "s_per_step": clock / max(t, 1),
-            "sent_bytes": jd.communication_cost(tx, params0, axis_size=n).sent_bytes,
+            "sent_bytes": cost.sent_bytes,
+            "peak_sent_bytes": cost.peak_sent_bytes,
+            "per_worker_params": per_worker,
+            "times_s": times,
         }
     if shaped and me == 0:
         set_rate("unshaped")
@@ -912,11 +996,17 @@ def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
         "params": int(n_params),
         "hidden": h,
         "target": args.e2e_target,
+        "set": args.e2e_set,
+        "batch": args.e2e_batch,
+        "eval_every": args.e2e_eval_every,
         "methods": results,
     }
 
 
 def print_e2e(res: dict[str, Any], note: str) -> None:
+    if res.get("set") == "lowcomm":
+        print_e2e_lowcomm(res, note)
+        return
     print(
         f"\ndigits, tanh MLP 64-{res.get('hidden', 'H')}-{res.get('hidden', 'H')}-10 ({res['params']:,} parameters), {res['procs']} processes, "
         f"link {res['rate']}; {note}\n"
@@ -932,6 +1022,31 @@ def print_e2e(res: dict[str, Any], note: str) -> None:
         print(
             f"| {name}: {r['label']} | {r['steps']} | {r['accuracy']:.3f}{ok} | {r['seconds']:.2f} | {speed} | "
             f"{r['s_per_step']:.4f} | {_fmt_bytes(r['sent_bytes'])} |"
+        )
+
+
+def print_e2e_lowcomm(res: dict[str, Any], note: str) -> None:
+    """The ``--e2e-set lowcomm`` table: also the step-time spread and the peak bytes of a step."""
+    h = res["hidden"]
+    print(
+        f"\ndigits, tanh MLP 64-{h}-{h}-10 ({res['params']:,} parameters), {res['procs']} processes, "
+        f"global batch {res['batch']}, link {res['rate']}; {note}\n"
+        f"time to test accuracy >= {res['target']:.0%} (training steps only; the test accuracy is read every "
+        f"{res['eval_every']} steps with the clock stopped, of the anchor (global parameters) for the "
+        "per-worker DiLoCo rows):\n"
+    )
+    dense = res["methods"].get("dense", {})
+    cols = "| method | steps | accuracy | wall s | x dense | s/step | median step s | slowest step s |"
+    print(cols + " B/worker/step | peak B/step |\n|---|" + "---:|" * 9)
+    for name, r in res["methods"].items():
+        ok = "" if r["reached"] else " (not reached)"
+        reached = dense.get("reached") and r["reached"]
+        speed = f"{dense['seconds'] / r['seconds']:.1f}" if reached else "-"
+        times = r["times_s"] or [0.0]
+        print(
+            f"| {name}: {r['label']} | {r['steps']} | {r['accuracy']:.3f}{ok} | {r['seconds']:.2f} | {speed} | "
+            f"{r['s_per_step']:.4f} | {statistics.median(times):.4f} | {max(times):.3f} | "
+            f"{_fmt_bytes(r['sent_bytes'])} | {_fmt_bytes(r['peak_sent_bytes'])} |"
         )
 
 
