@@ -35,17 +35,20 @@ def _bench_module():
     return bench_network
 
 
-def test_two_process_smoke(tmp_path):
-    out = tmp_path / "result.json"
-    argv = [
-        sys.executable,
-        str(SCRIPT),
-        *("--procs", "2", "--no-shape", "--width", "2", "--repeats", "2", "--calibration-mb", "1"),
-        *("--methods", ",".join(METHODS), "--torch-methods", "", "--json", str(out)),
-    ]
+def _run_bench(out, *args):
+    """Runs the benchmark script with ``args`` and ``--json out``; returns the saved JSON."""
+    argv = [sys.executable, str(SCRIPT), *args, "--json", str(out)]
     r = subprocess.run(argv, env=helpers.child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    saved = json.loads(out.read_text())
+    return json.loads(out.read_text()), r
+
+
+def test_two_process_smoke(tmp_path):
+    saved, r = _run_bench(
+        tmp_path / "result.json",
+        *("--procs", "2", "--no-shape", "--width", "2", "--repeats", "2", "--calibration-mb", "1"),
+        *("--methods", ",".join(METHODS), "--torch-methods", ""),
+    )
     res, compute = saved["jax"], saved["compute"]
     assert res["procs"] == 2 and compute["procs"] == 1
     assert list(res["methods"]) == list(METHODS)  # the dense row first
@@ -105,16 +108,12 @@ LOWCOMM_ROWS = ("dense", "diloco", "streaming", "streaming_tau5")
 @pytest.mark.slow
 def test_e2e_lowcomm_smoke(tmp_path):
     """The DiLoCo set of ``--e2e``, unshaped and tiny: every row trains past its first synchronisation."""
-    out = tmp_path / "e2e.json"
-    argv = [
-        sys.executable,
-        str(SCRIPT),
+    saved, r = _run_bench(
+        tmp_path / "e2e.json",
         *("--e2e", "--e2e-set", "lowcomm", "--no-shape", "--e2e-hidden", "16", "--e2e-batch", "32"),
-        *("--e2e-max-steps", "60", "--e2e-eval-every", "20", "--e2e-target", "0.999", "--json", str(out)),
-    ]
-    r = subprocess.run(argv, env=helpers.child_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert r.returncode == 0, f"stdout:\n{r.stdout}\nstderr:\n{r.stderr}"
-    res = json.loads(out.read_text())["e2e"]
+        *("--e2e-max-steps", "60", "--e2e-eval-every", "20", "--e2e-target", "0.999"),
+    )
+    res = saved["e2e"]
     assert res["procs"] == 2 and res["set"] == "lowcomm" and res["rate"] == "unshaped"
     assert list(res["methods"]) == list(LOWCOMM_ROWS)
     rows = _bench_module().e2e_lowcomm_methods(jd, optax)
