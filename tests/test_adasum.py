@@ -537,3 +537,25 @@ def test_horovod_stability_cases_under_shard_map(case, dtype, method):
     got = helpers.run_transform(adasum(method=method), {"v": q}, backend="shard_map")
     ok, ratio = _horovod_close(dtype, expected, got["v"])
     assert ok, (case, dtype, ratio)
+
+
+@pytest.mark.parametrize("e", [-160, -149, -126, -30, 0, 30, 140, 200])
+def test_power_of_two_scalings_are_exact_on_subnormals(e):
+    # XLA:CPU flushes subnormal float32 operands and results to zero; the
+    # scalings read and build them from their bits and round once, as float64.
+    from jaxopt_dist._src import adasum as impl
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([x[np.isfinite(x)], np.float32([0.0, -0.0, 1e-45, -3e-39, 1.17e-38])])
+    got = np.asarray(impl._normalize(jnp.asarray(x)[None], jnp.asarray([e]), [x.size])[0], np.float64)
+    want = np.ldexp(x.astype(np.float64), e)
+    normal = (np.abs(want) >= np.finfo(np.float32).tiny) & (np.abs(want) <= np.finfo(np.float32).max)
+    np.testing.assert_array_equal(got[normal], want[normal])
+    y = rng.uniform(-2.0, 2.0, 20000).astype(np.float32)
+    got = np.asarray(impl._denormalize(jnp.asarray(y)[None], jnp.asarray([e]), [y.size])[0])
+    with np.errstate(over="ignore"):
+        want = np.ldexp(y.astype(np.float64), e).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    exps = impl._frexp_exponent(impl._magnitude_bits(jnp.asarray(x)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(exps)[x != 0], np.frexp(x[x != 0].astype(np.float64))[1])

@@ -117,24 +117,32 @@ class _Layout:
         )
         return _frexp_exponent(peaks, self.compute_dtype)
 
-    def _scaled(self, x: jax.Array, e: jax.Array) -> jax.Array:
-        """``x * 2^e`` column by column (``e`` per leaf), rounded once (see :func:`_ldexp_exact`)."""
-        return _ldexp_exact(x.astype(self.compute_dtype), base.repeat_segments(e, self.cols)[None, :])
+    def _columns(self, e: jax.Array) -> jax.Array:
+        """A per-leaf value repeated over the leaf's columns, shape ``(1, M)``."""
+        return base.repeat_segments(e, self.cols)[None, :]
 
-    def partial_dots(self, a: jax.Array, b: jax.Array, exps: jax.Array) -> jax.Array:
+    def normalized(self, a: jax.Array, b: jax.Array, exps: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` leaf by leaf (``exps`` from :meth:`exponents`), exact.
+
+        Largest entries in [0.5, 1); subnormal inputs are read from their bits
+        (see :func:`_normalize`).
+        """
+        a1 = _normalize(a.astype(self.compute_dtype), -exps[0], self.cols)
+        b1 = _normalize(b.astype(self.compute_dtype), -exps[1], self.cols)
+        return a1, b1
+
+    def partial_dots(self, a1: jax.Array, b1: jax.Array) -> jax.Array:
         """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``,
-        for ``a' = a 2^-e_a``, ``b' = b 2^-e_b`` (``exps`` from :meth:`exponents`)."""
-        a = self._scaled(a, -exps[0])
-        b = self._scaled(b, -exps[1])
+        from :meth:`normalized`'s ``a'`` and ``b'``."""
         # One reduction over the stacked products: the three sums share one
         # summation order, so equal inputs give a.b == |a|^2 == |b|^2 exactly.
-        prods = jnp.stack([a * b, a * a, b * b])
+        prods = jnp.stack([a1 * b1, a1 * a1, b1 * b1])
         return jnp.stack(
             [jnp.sum(prods[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
         )
 
-    def combine(self, a: jax.Array, b: jax.Array, dots: jax.Array, exps: jax.Array) -> jax.Array:
-        """``A(a, b)`` leaf by leaf, from the scaled dot products of :meth:`partial_dots`.
+    def combine(self, a1: jax.Array, b1: jax.Array, dots: jax.Array, exps: jax.Array) -> jax.Array:
+        """``A(a, b)`` leaf by leaf, from :meth:`normalized` and :meth:`partial_dots`.
 
         With ``a = a' 2^e_a``, ``b = b' 2^e_b`` and ``m = max(e_a, e_b)``, the
         pair sum is formed at the scale ``2^-m``, where its largest entries
@@ -142,21 +150,21 @@ class _Layout:
 
         ``A(a, b) 2^-m = (a' - r_a a' 2^(e_b - e_a)) 2^(e_a - m) + (b' - r_b b' 2^(e_a - e_b)) 2^(e_b - m)``
 
-        with ``r = a'.b' / 2|.|^2``, and scaled back by ``2^m`` at the end:
-        every factor stays in range, however far apart the two vectors'
-        magnitudes are, and a result in the subnormal range is rounded from
-        its bits. In the normal range this is the same arithmetic, rounding
-        for rounding, as the formula unscaled.
+        with ``r = a'.b' / 2|.|^2``, and scaled back by ``2^m`` at the end, on
+        the bits (a result among the subnormals is rounded once). Every
+        factor stays in range, however far apart the two vectors' magnitudes
+        are; the powers of two below 1 can only flush terms below the
+        precision of the larger vector. In the normal range this is the same
+        arithmetic, rounding for rounding, as the formula unscaled.
         """
         dot, na, nb = dots[0], dots[1], dots[2]
-        ra = base.repeat_segments(_half_ratio(dot, na), self.cols)[None, :]
-        rb = base.repeat_segments(_half_ratio(dot, nb), self.cols)[None, :]
+        ra = self._columns(_half_ratio(dot, na))
+        rb = self._columns(_half_ratio(dot, nb))
         top = jnp.maximum(exps[0], exps[1])
-        a1 = self._scaled(a, -exps[0])
-        b1 = self._scaled(b, -exps[1])
-        ta = self._scaled(a1, exps[0] - top) - self._scaled(ra * a1, exps[1] - top)
-        tb = self._scaled(b1, exps[1] - top) - self._scaled(rb * b1, exps[0] - top)
-        return self._scaled(ta + tb, top).astype(self.dtype)
+        sa = self._columns(_pow2_at_most_one(exps[0] - top, self.compute_dtype))
+        sb = self._columns(_pow2_at_most_one(exps[1] - top, self.compute_dtype))
+        out = (a1 * sa - (ra * a1) * sb) + (b1 * sb - (rb * b1) * sa)
+        return _denormalize(out, top, self.cols).astype(self.dtype)
 
 
 def _settle(exps: jax.Array) -> jax.Array:
@@ -169,6 +177,13 @@ def _bit_layout(dtype: Any) -> tuple[int, int, Any, Any]:
     info = jnp.finfo(dtype)
     width = jnp.dtype(dtype).itemsize * 8
     return info.nmant, info.maxexp - 1, jnp.dtype(f"uint{width}"), jnp.dtype(f"int{width}")
+
+
+def _pow2_at_most_one(k: jax.Array, dtype: Any) -> jax.Array:
+    """``2^k`` for integer ``k <= 0``, built from its bits; 0 where it is below the normal range."""
+    nmant, bias, ut, _ = _bit_layout(dtype)
+    bits = (jnp.maximum(k + bias, 0).astype(ut)) << nmant
+    return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def _magnitude_bits(x: jax.Array) -> jax.Array:
@@ -192,36 +207,60 @@ def _frexp_exponent(mag_bits: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(mag_bits > 0, e, _NO_EXPONENT).astype(jnp.int32)
 
 
-def _ldexp_exact(x: jax.Array, e: jax.Array) -> jax.Array:
-    """``x * 2^e`` rounded once to nearest (ties to even), by integer arithmetic on the bits.
+def _pow2_pair(k: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """Two normal powers of two whose product is ``2^k`` (``|k|`` up to about twice the exponent range)."""
+    nmant, bias, ut, _ = _bit_layout(dtype)
 
-    Right for subnormal inputs and results, which XLA:CPU's float arithmetic
-    flushes to zero (FTZ/DAZ); overflow gives infinity, and non-finite
-    inputs pass through.
+    def pow2(j):
+        return jax.lax.bitcast_convert_type(jnp.clip(j + bias, 1, 2 * bias).astype(ut) << nmant, dtype)
+
+    half = k // 2
+    return pow2(half), pow2(k - half)
+
+
+def _subnormal_unit_exponent(dtype: Any) -> int:
+    """``s`` with the last place of a subnormal worth ``2^-s`` (149 for float32)."""
+    nmant, bias, _, _ = _bit_layout(dtype)
+    return bias + nmant - 1
+
+
+def _normalize(x: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
+    """``x 2^e`` for ``e`` per leaf (repeated over ``cols``), exact where the result is normal.
+
+    Subnormal entries of ``x``, which XLA:CPU's arithmetic reads as zero, are
+    taken from their bits: a subnormal is its mantissa field times ``2^-s``.
     """
-    nmant, bias, ut, it = _bit_layout(x.dtype)
+    nmant, _, ut, _ = _bit_layout(x.dtype)
     bits = jax.lax.bitcast_convert_type(x, ut)
-    sign = bits & ut.type(1 << (ut.itemsize * 8 - 1))
-    field = ((bits >> nmant) & ut.type(2 * bias + 1)).astype(it)
-    frac = bits & ut.type((1 << nmant) - 1)
-    sig = jnp.where(field > 0, frac | ut.type(1 << nmant), frac)  # x = sig 2^k
-    k = jnp.maximum(field, 1) - (bias + nmant)
-    length = _bit_length(sig).astype(it)
-    target = k + e + length - 1 + bias  # biased exponent of the result when normal
-    normal = (target.astype(ut) << nmant) | (
-        (sig << (nmant + 1 - length).astype(ut)) & ut.type((1 << nmant) - 1)
+    tiny = (bits >> nmant) & ut.type((np.iinfo(ut).max >> 1) >> nmant) == 0
+    mag = (bits & ut.type((1 << nmant) - 1)).astype(x.dtype)  # exact: fewer than nmant + 1 bits
+    signed = jnp.where(bits >> (ut.itemsize * 8 - 1) == 1, -mag, mag)
+    f1, f2 = (base.repeat_segments(f, cols)[None, :] for f in _pow2_pair(e, x.dtype))
+    g1, g2 = (
+        base.repeat_segments(g, cols)[None, :]
+        for g in _pow2_pair(e - _subnormal_unit_exponent(x.dtype), x.dtype)
     )
-    shift = (k + e + (bias + nmant - 1)).astype(it)  # subnormal result: sig 2^shift units of the last place
-    up = sig << jnp.clip(shift, 0, nmant).astype(ut)
-    r = jnp.clip(-shift, 1, nmant + 2).astype(ut)
-    q, rem, half = sig >> r, sig & ((ut.type(1) << r) - 1), ut.type(1) << (r - 1)
-    down = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(ut)
-    tiny = jnp.where(shift >= 0, up, down)
-    out = jnp.where(
-        target >= 2 * bias + 1, ut.type((2 * bias + 1) << nmant), jnp.where(target >= 1, normal, tiny)
+    return jnp.where(tiny, signed * g1 * g2, x * f1 * f2)
+
+
+def _denormalize(y: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
+    """``y 2^e`` for ``e`` per leaf, rounded once to nearest even, subnormal results included.
+
+    A result below the normal range is built from its bits (XLA:CPU's
+    arithmetic would flush it to zero): its mantissa field is ``|y| 2^(e + s)``
+    rounded to an integer, a product that is itself exact.
+    """
+    nmant, _, ut, _ = _bit_layout(y.dtype)
+    f1, f2 = (base.repeat_segments(f, cols)[None, :] for f in _pow2_pair(e, y.dtype))
+    g1, g2 = (
+        base.repeat_segments(g, cols)[None, :]
+        for g in _pow2_pair(e + _subnormal_unit_exponent(y.dtype), y.dtype)
     )
-    out = jnp.where((sig == 0) | (field == 2 * bias + 1), bits, sign | out)
-    return jax.lax.bitcast_convert_type(out, x.dtype)
+    units = jnp.abs(y) * g1 * g2
+    field = jnp.round(jnp.minimum(units, float(1 << (nmant + 1)))).astype(ut)
+    sign = jax.lax.bitcast_convert_type(y, ut) & ut.type(1 << (ut.itemsize * 8 - 1))
+    tiny = jax.lax.bitcast_convert_type(field | sign, y.dtype)
+    return jnp.where(units < float(1 << nmant), tiny, y * f1 * f2)
 
 
 def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
@@ -257,15 +296,19 @@ def _run_tree(
     def exps_of(a, b):
         return [_settle(lay.exponents(x, y)) for lay, x, y in zip(layouts, a, b)]
 
-    def dots_of(a, b, exps):
-        return [lay.partial_dots(x, y, e) for lay, x, y, e in zip(layouts, a, b, exps)]
+    def normalized(a, b, exps):
+        return [lay.normalized(x, y, e) for lay, x, y, e in zip(layouts, a, b, exps)]
 
-    def combine(a, b, dots, exps):
-        return [lay.combine(x, y, d, e) for lay, x, y, d, e in zip(layouts, a, b, dots, exps)]
+    def dots_of(ab):
+        return [lay.partial_dots(x, y) for lay, (x, y) in zip(layouts, ab)]
+
+    def combine(ab, dots, exps):
+        return [lay.combine(x, y, d, e) for lay, (x, y), d, e in zip(layouts, ab, dots, exps)]
 
     def pair(a, b):
         exps = exps_of(a, b)
-        return combine(a, b, dots_of(a, b, exps), exps)
+        ab = normalized(a, b, exps)
+        return combine(ab, dots_of(ab), exps)
 
     # Fold the workers beyond the largest power of two into partners: worker
     # j < r swaps vectors with worker p + j and both compute A(x_j, x_{p+j}).
@@ -309,8 +352,9 @@ def _run_tree(
             # The scale of each vector is the largest over the rows the group holds.
             local = jnp.concatenate([lay.exponents(x, y) for lay, x, y in zip(layouts, a, b)], axis=1)
             exps = [_settle(e) for e in over_group(local, comm.pmax, _NO_EXPONENT)]
-            partial = jnp.concatenate(dots_of(a, b, exps), axis=1)  # (3, L)
-            bufs = combine(a, b, over_group(partial, comm.psum, 0), exps)
+            ab = normalized(a, b, exps)
+            partial = jnp.concatenate(dots_of(ab), axis=1)  # (3, L)
+            bufs = combine(ab, over_group(partial, comm.psum, 0), exps)
 
     # Every primary worker now holds the result (butterfly: all of it, the
     # same bits on each; halving: the 1/p slice of rows it owns). An
