@@ -26,7 +26,10 @@ Columns, per rate:
 * ``x dense``: the dense row's ``s/step`` over this row's (> 1: faster);
 * ``B/worker``: bytes each worker sends per step (``communication_cost``);
 * ``wire s``: the time the shaped wire alone needs for every worker's bytes;
-* ``compute s``: the same update in one process with one device, no link;
+* ``compute s``: the same update with no link: ``--compute-procs`` processes
+  (default ``--procs``) each time it on a device of their own, side by side,
+  so each has the share of the cores a process of the linked run has (one
+  process alone would get every core: XLA:CPU runs its kernels multi-threaded);
 * ``proj ring`` / ``proj gloo``: ``compute s`` + ``project_step_time`` with
   ``algorithm="ring"`` (the textbook model) / ``"gloo"`` (XLA:CPU over gloo)
   at the link's per-worker bandwidth (``R / procs`` for the shared loopback;
@@ -211,10 +214,17 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
             coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
         )
     me = jax.process_index()
-    mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
+    # The link calibration and the barriers use every process's device; the
+    # timed update uses this process's device alone in a compute-only run
+    # (--local-compute: every process times its own update, side by side).
+    world = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
+    local = args.local_compute
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.local_devices()[:1]) if local else world
     n = mesh.shape["data"]
     P = jax.sharding.PartitionSpec
     row = jax.sharding.NamedSharding(mesh, P("data"))
+    world_n = world.shape["data"]
+    world_row = jax.sharding.NamedSharding(world, P("data"))
     rates = args.rates if args.shape else ["unshaped"]
 
     def log(*a: Any) -> None:
@@ -229,7 +239,10 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
         def cb(idx: Any) -> np.ndarray:
             rows = range(n)[idx[0]]
             return np.stack(
-                [np.random.default_rng([i, r]).standard_normal(s, np.float32) * 1e-2 for r in rows]
+                [
+                    np.random.default_rng([i, r + me * local]).standard_normal(s, np.float32) * 1e-2
+                    for r in rows
+                ]
             )
 
         return jax.make_array_from_callback((n, *s), row, cb)
@@ -238,13 +251,17 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     @jax.jit
     def tiny(x: jax.Array) -> jax.Array:
-        return jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P())(
-            x
-        )
+        return jax.shard_map(
+            lambda v: jax.lax.psum(v, "data"), mesh=world, in_specs=P("data"), out_specs=P()
+        )(x)
 
-    tiny_x = jax.make_array_from_callback((n,), row, lambda idx: np.ones(n, np.float32)[idx])
+    tiny_x = jax.make_array_from_callback(
+        (world_n,), world_row, lambda idx: np.ones(world_n, np.float32)[idx]
+    )
     big_n = args.calibration_mb * 2**18  # float32 elements of the bandwidth probe
-    big_x = jax.make_array_from_callback((n * big_n,), row, lambda idx: np.ones(n * big_n, np.float32)[idx])
+    big_x = jax.make_array_from_callback(
+        (world_n * big_n,), world_row, lambda idx: np.ones(world_n * big_n, np.float32)[idx]
+    )
 
     def barrier() -> None:
         jax.block_until_ready(tiny(tiny_x))
@@ -319,6 +336,7 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
         set_rate("unshaped")
     out = {
         "procs": n,
+        "concurrent": world_n if local else 1,
         "params": int(sum(math.prod(s) for s in shapes.values())),
         "link": link,
         "width": args.width,
@@ -529,6 +547,8 @@ def _worker_argv(
         argv += ["--e2e-methods", ",".join(args.e2e_methods)]
     if args.shape:
         argv.append("--shape")
+    if getattr(args, "local_compute", False):
+        argv.append("--local-compute")
     if args.verbose:
         argv.append("--verbose")
     return argv
@@ -586,6 +606,24 @@ def launch_group(args: argparse.Namespace, kind: str, procs: int, timeout: float
         return json.loads(pathlib.Path(out).read_text())
 
 
+def run_compute_group(args: argparse.Namespace) -> dict[str, Any]:
+    """The compute-only times: ``--compute-procs`` processes, unshaped, each timing its own update.
+
+    Each process runs the update on a one-device mesh of its own (nothing
+    crosses the link); the processes start each method and rate together
+    (a barrier over the loopback) and time it side by side, so each has the
+    share of the machine's cores that a process of the ``--procs`` run has.
+    Process 0's times are kept.
+    """
+    procs = args.procs if args.compute_procs is None else args.compute_procs
+    shape, args.shape = args.shape, False
+    args.local_compute = procs > 1
+    try:
+        return launch_group(args, "jax", procs, args.timeout)
+    finally:
+        args.shape, args.local_compute = shape, False
+
+
 _WAIT_ALL = 'rc=0\nfor p in $(jobs -p); do wait "$p" || rc=$?; done\nexit "$rc"\n'
 
 
@@ -607,6 +645,11 @@ def print_tables(
     rows = res["methods"]
     ring, gloo = projections(res, "ring"), projections(res, "gloo")
     print(f"\n{res['params']:,} float32 parameters (ResNet-18 CIFAR shapes), {n} processes, gloo; {note}")
+    side = compute.get("concurrent", 1)
+    print(
+        f"  compute s: the update with no link, timed in {side} process{'es' if side > 1 else ''} "
+        "side by side, each on its own device"
+    )
     for rate, cal in res["link"].items():
         gbps, lat_us = _link_model(res["link"], rate, n)
         extra = (
@@ -705,6 +748,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-methods", default="", help="comma-separated rows of the --e2e set (default: all)")
     p.add_argument("--torch-coordinator", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--local-compute", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--compute-procs",
+        type=int,
+        default=None,
+        help="processes timing the compute-only update side by side, each on its own device and no link "
+        "(default: --procs, so each gets the share of the CPU cores a process of the linked run has)",
+    )
     p.add_argument("--json", default=None, help="also write process 0's results to this JSON file")
     p.add_argument("--from-json", default=None, help="print the tables of a saved --json file and exit")
     args = p.parse_args(argv)
@@ -781,7 +832,8 @@ def main(argv: list[str] | None = None) -> int:
         res = run_jax_worker(args)
         if args.process_id == 0:
             args.num_processes, args.process_id = 1, 0
-            compute = launch_group(args, "jax", 1, args.timeout)
+            args.compute_procs = 1  # the other hosts' cores are theirs
+            compute = run_compute_group(args)
             print_tables(res, compute, None, "cluster link (not shaped)")
             if args.json:
                 saved = {"jax": res, "compute": compute, "note": "cluster link (not shaped)"}
@@ -802,10 +854,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.e2e:
         return run_e2e(args, note)
     t0 = time.perf_counter()
-    shape = args.shape
-    args.shape = False
-    compute = launch_group(args, "jax", 1, args.timeout)
-    args.shape = shape
+    compute = run_compute_group(args)
     print(f"compute-only runs done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     res = launch_group(args, "jax", args.procs, args.timeout)
     print(f"{args.procs}-process jax runs done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)

@@ -20,8 +20,9 @@ One step, per compressed matrix (rank ``r = min(rank, n, m)``):
 4. ``Q = M^T P``, mean over the workers (ONE all-reduce for all ``Q``'s);
 5. the output is ``P Q^T``, the same on every worker.
 
-Leaves whose matrices have the same ``(n, m)`` are stacked and go through each
-matmul as one batched ``einsum``.
+Leaves whose matrices have the same ``(n, m)`` share one group: their factors
+are stacked (state, orthogonalization, all-reduce), while each matrix goes
+through its own matmuls, so the gradient is never copied into a batch.
 """
 
 from __future__ import annotations
@@ -172,18 +173,27 @@ def random_factors(key: jax.Array, shapes: list[tuple[int, ...]], dtypes: list[A
     return out
 
 
-def _transpose_product(mats: jax.Array, p: jax.Array) -> jax.Array:
-    """``M^T P`` for batches ``(b, n, m)`` and ``(b, n, r)``, as ``(b, m, r)``.
+def _transpose_product(mats: list[jax.Array], p: jax.Array) -> jax.Array:
+    """``M^T P`` for a group's matrices ``(n, m)`` and their factors ``(b, n, r)``, as ``(b, m, r)``.
 
     Computed as ``(P^T M)^T``: contracting ``M`` over its leading (row)
     dimension as the right operand is a plain GEMM, whereas asking XLA:CPU for
     ``M^T P`` directly makes it transpose ``M`` in memory first (about 8x
     slower on ResNet-18's largest matrices).
     """
-    qt = jnp.einsum("bnr,bnm->brm", p, mats)
+    qt = jnp.stack([jnp.einsum("nr,nm->rm", p[j], a) for j, a in enumerate(mats)])
     # The barrier stops XLA from folding the transpose into the dot's output
     # layout, which makes the dot itself several times slower on CPU.
     return jnp.swapaxes(jax.lax.optimization_barrier(qt), 1, 2)
+
+
+def _product(mats: list[jax.Array], q: jax.Array) -> jax.Array:
+    """``M Q`` for a group's matrices ``(n, m)`` and their factors ``(b, m, r)``, as ``(b, n, r)``.
+
+    One matmul per matrix: stacking the matrices into one batch would copy
+    them all once more (the bulk of the gradient) for no faster product.
+    """
+    return jnp.stack([a @ q[j] for j, a in enumerate(mats)])
 
 
 def _revive(factors: list[jax.Array], count: jax.Array, which: int) -> list[jax.Array]:
@@ -436,19 +446,18 @@ def powersgd(
         eps_t = base.resolve(eps_schedule, count)
 
         def matrices(leaves):
-            out = []
-            for g, dt in zip(groups, dtypes):
-                mats = [leaves[i].astype(dt).reshape(g.n, g.m) for i in g.leaves]
-                out.append(mats[0][None] if len(mats) == 1 else jnp.stack(mats))
-            return out
+            """Per group, the list of its leaves as ``(n, m)`` matrices (views, not copies)."""
+            return [
+                [leaves[i].astype(dt).reshape(g.n, g.m) for i in g.leaves] for g, dt in zip(groups, dtypes)
+            ]
 
-        def finish(leaves, approx, dense_mean):
-            """Output and contribution leaves from the batched approximations."""
+        def finish(leaves, p, q, dense_mean):
+            """Output and contribution leaves: ``P Q^T`` per compressed leaf, one matmul each."""
             out = list(leaves)
             contribution = list(leaves)
-            for g, a in zip(groups, approx):
+            for g, a, b in zip(groups, p, q):
                 for j, i in enumerate(g.leaves):
-                    x = a[j].reshape(leaves[i].shape).astype(leaves[i].dtype)
+                    x = (a[j] @ b[j].T).reshape(leaves[i].shape).astype(leaves[i].dtype)
                     out[i] = x
                     contribution[i] = x
             for i, x in zip(plan.dense, dense_mean):
@@ -476,12 +485,11 @@ def powersgd(
                 shapes = [(len(g.leaves), g.n, g.m, g.rank) for g in groups]
                 q_in = [q.astype(dt) for q, dt in zip(fresh_q(state.key, count, shapes, jnp.float32), dtypes)]
             q_in = orthogonalize_all(q_in, eps_t)
-            p = [jnp.einsum("bnm,bmr->bnr", a, q) for a, q in zip(mats, q_in)]
+            p = [_product(a, q) for a, q in zip(mats, q_in)]
             reduced = mean(p + dense_leaves(leaves))
             p_hat = orthogonalize_all(reduced[: len(groups)], eps_t)
             q = mean([_transpose_product(a, x) for a, x in zip(mats, p_hat)])
-            approx = [jnp.einsum("bnr,bmr->bnm", x, y) for x, y in zip(p_hat, q)]
-            out, contribution = finish(leaves, approx, reduced[len(groups) :])
+            out, contribution = finish(leaves, p_hat, q, reduced[len(groups) :])
             return out, contribution, p_state, cast_like(q, q_state) if warm_start else q_state
 
         def q_step(leaves, p_state, q_state, count):
@@ -492,8 +500,7 @@ def powersgd(
             q = [_transpose_product(a, x) for a, x in zip(mats, p_in)]
             reduced = mean(q + dense_leaves(leaves))
             q = reduced[: len(groups)]
-            approx = [jnp.einsum("bnr,bmr->bnm", x, y) for x, y in zip(p_in, q)]
-            out, contribution = finish(leaves, approx, reduced[len(groups) :])
+            out, contribution = finish(leaves, p_in, q, reduced[len(groups) :])
             return out, contribution, cast_like(p_in, p_state), cast_like(q, q_state)
 
         def p_step(leaves, p_state, q_state, count):
@@ -501,11 +508,10 @@ def powersgd(
             mats = matrices(leaves)
             q_in = _revive([x.astype(dt) for x, dt in zip(q_state, dtypes)], count, 1)
             q_in = orthogonalize_all(q_in, eps_t)
-            p = [jnp.einsum("bnm,bmr->bnr", a, x) for a, x in zip(mats, q_in)]
+            p = [_product(a, x) for a, x in zip(mats, q_in)]
             reduced = mean(p + dense_leaves(leaves))
             p = reduced[: len(groups)]
-            approx = [jnp.einsum("bnr,bmr->bnm", x, y) for x, y in zip(p, q_in)]
-            out, contribution = finish(leaves, approx, reduced[len(groups) :])
+            out, contribution = finish(leaves, p, q_in, reduced[len(groups) :])
             return out, contribution, cast_like(p, p_state), cast_like(q_in, q_state)
 
         operands = (leaves, state.p, state.q, count)
