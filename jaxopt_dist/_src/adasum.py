@@ -121,15 +121,35 @@ class _Layout:
         """A per-leaf value repeated over the leaf's columns, shape ``(1, M)``."""
         return base.repeat_segments(e, self.cols)[None, :]
 
-    def normalized(self, a: jax.Array, b: jax.Array, exps: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def needs_bits(self, exps: jax.Array) -> jax.Array:
+        """Whether some leaf's pair peaks so close to the subnormal range that
+        subnormal entries or results can matter: ``max(e_a, e_b)`` within
+        ``nmant + 2`` binades of the smallest normal.
+
+        Elsewhere a subnormal entry or result is below half a unit in the
+        last place of the pair's largest entries, and the plain arithmetic
+        (which XLA:CPU flushes) gives the same sums. Read from ``exps``, so the
+        workers computing one pair (or one group's rows) agree.
+        """
+        nmant, bias, _, _ = _bit_layout(self.compute_dtype)
+        return jnp.min(jnp.maximum(exps[0], exps[1])) < (1 - bias) + nmant + 2
+
+    def normalized(
+        self, a: jax.Array, b: jax.Array, exps: jax.Array, bits: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
         """``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` leaf by leaf (``exps`` from :meth:`exponents`), exact.
 
-        Largest entries in [0.5, 1); subnormal inputs are read from their bits
-        (see :func:`_normalize`).
+        Largest entries in [0.5, 1). Where ``bits`` (:meth:`needs_bits`),
+        subnormal inputs are read from their bits (see :func:`_normalize`).
         """
-        a1 = _normalize(a.astype(self.compute_dtype), -exps[0], self.cols)
-        b1 = _normalize(b.astype(self.compute_dtype), -exps[1], self.cols)
-        return a1, b1
+
+        def exact(a, b):
+            return _normalize(a, -exps[0], self.cols), _normalize(b, -exps[1], self.cols)
+
+        def plain(a, b):
+            return _times_pow2(a, -exps[0], self.cols), _times_pow2(b, -exps[1], self.cols)
+
+        return jax.lax.cond(bits, exact, plain, a.astype(self.compute_dtype), b.astype(self.compute_dtype))
 
     def partial_dots(self, a1: jax.Array, b1: jax.Array) -> jax.Array:
         """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``,
@@ -141,7 +161,9 @@ class _Layout:
             [jnp.sum(prods[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
         )
 
-    def combine(self, a1: jax.Array, b1: jax.Array, dots: jax.Array, exps: jax.Array) -> jax.Array:
+    def combine(
+        self, a1: jax.Array, b1: jax.Array, dots: jax.Array, exps: jax.Array, bits: jax.Array
+    ) -> jax.Array:
         """``A(a, b)`` leaf by leaf, from :meth:`normalized` and :meth:`partial_dots`.
 
         With ``a = a' 2^e_a``, ``b = b' 2^e_b`` and ``m = max(e_a, e_b)``, the
@@ -150,8 +172,9 @@ class _Layout:
 
         ``A(a, b) 2^-m = (a' - r_a a' 2^(e_b - e_a)) 2^(e_a - m) + (b' - r_b b' 2^(e_a - e_b)) 2^(e_b - m)``
 
-        with ``r = a'.b' / 2|.|^2``, and scaled back by ``2^m`` at the end, on
-        the bits (a result among the subnormals is rounded once). Every
+        with ``r = a'.b' / 2|.|^2``, and scaled back by ``2^m`` at the end
+        (where ``bits``, on the bits: a result among the subnormals is rounded
+        once, see :func:`_denormalize`). Every
         factor stays in range, however far apart the two vectors' magnitudes
         are; the powers of two below 1 can only flush terms below the
         precision of the larger vector. In the normal range this is the same
@@ -164,7 +187,10 @@ class _Layout:
         sa = self._columns(_pow2_at_most_one(exps[0] - top, self.compute_dtype))
         sb = self._columns(_pow2_at_most_one(exps[1] - top, self.compute_dtype))
         out = (a1 * sa - (ra * a1) * sb) + (b1 * sb - (rb * b1) * sa)
-        return _denormalize(out, top, self.cols).astype(self.dtype)
+        out = jax.lax.cond(
+            bits, lambda y: _denormalize(y, top, self.cols), lambda y: _times_pow2(y, top, self.cols), out
+        )
+        return out.astype(self.dtype)
 
 
 def _settle(exps: jax.Array) -> jax.Array:
@@ -222,6 +248,12 @@ def _subnormal_unit_exponent(dtype: Any) -> int:
     """``s`` with the last place of a subnormal worth ``2^-s`` (149 for float32)."""
     nmant, bias, _, _ = _bit_layout(dtype)
     return bias + nmant - 1
+
+
+def _times_pow2(x: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
+    """``x 2^e`` for ``e`` per leaf, by two multiplications: exact where operands and result are normal."""
+    f1, f2 = (base.repeat_segments(f, cols)[None, :] for f in _pow2_pair(e, x.dtype))
+    return x * f1 * f2
 
 
 def _normalize(x: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
@@ -297,13 +329,15 @@ def _run_tree(
         return [_settle(lay.exponents(x, y)) for lay, x, y in zip(layouts, a, b)]
 
     def normalized(a, b, exps):
-        return [lay.normalized(x, y, e) for lay, x, y, e in zip(layouts, a, b, exps)]
+        return [lay.normalized(x, y, e, lay.needs_bits(e)) for lay, x, y, e in zip(layouts, a, b, exps)]
 
     def dots_of(ab):
         return [lay.partial_dots(x, y) for lay, (x, y) in zip(layouts, ab)]
 
     def combine(ab, dots, exps):
-        return [lay.combine(x, y, d, e) for lay, (x, y), d, e in zip(layouts, ab, dots, exps)]
+        return [
+            lay.combine(x, y, d, e, lay.needs_bits(e)) for lay, (x, y), d, e in zip(layouts, ab, dots, exps)
+        ]
 
     def pair(a, b):
         exps = exps_of(a, b)
