@@ -504,3 +504,15 @@ def child_env(devices: int | None = None) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+def device_shards(x):
+    """The per-device pieces of a placed array, as NumPy arrays."""
+    return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def assert_replicated_shards(x):
+    """Every device holds the same bits of ``x``."""
+    shards = device_shards(x)
+    for s in shards[1:]:
+        np.testing.assert_array_equal(s, shards[0])

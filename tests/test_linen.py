@@ -16,16 +16,6 @@ from tests import helpers
 WORKERS = [2, 8]
 
 
-def _shards(x):
-    return [np.asarray(s.data) for s in x.addressable_shards]
-
-
-def _assert_replicated(x):
-    shards = _shards(x)
-    for s in shards[1:]:
-        np.testing.assert_array_equal(s, shards[0])
-
-
 class _Net(nn.Module):
     axis_name: str | None = None
 
@@ -96,10 +86,10 @@ def test_batch_stats_against_numpy(n, mode):
     np.testing.assert_allclose(np.asarray(stats["mean"]), want_mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(stats["var"]), want_var, rtol=1e-5, atol=1e-5)
     for leaf in jax.tree.leaves((state.params, metrics)):
-        _assert_replicated(leaf)
+        helpers.assert_replicated_shards(leaf)
     if mode != "per_worker":
         for leaf in jax.tree.leaves(state.batch_stats):
-            _assert_replicated(leaf)
+            helpers.assert_replicated_shards(leaf)
 
 
 @pytest.mark.parametrize("n", WORKERS)
@@ -113,7 +103,7 @@ def test_powersgd_state_params_replicated_residuals_per_worker(n):
     assert np.all(np.isfinite(losses))
     assert int(state.step) == 4
     for leaf in jax.tree.leaves(state.params):
-        _assert_replicated(leaf)
+        helpers.assert_replicated_shards(leaf)
     np.testing.assert_array_equal(jax.random.key_data(state.key), jax.random.key_data(jax.random.key(1)))
     (ef,) = [
         s
@@ -149,5 +139,5 @@ def test_linen_example_trains(capsys):
         assert r["train_loss"] < 0.5 * r["losses"][0], method
         if method != "single":
             for leaf in jax.tree.leaves(r["state"].params):
-                _assert_replicated(leaf)
+                helpers.assert_replicated_shards(leaf)
     assert "test accuracy" in capsys.readouterr().out

@@ -23,16 +23,6 @@ from tests import helpers
 WORKERS = [2, 8]
 
 
-def _shards(x):
-    return [np.asarray(s.data) for s in x.addressable_shards]
-
-
-def _assert_replicated(x):
-    shards = _shards(x)
-    for s in shards[1:]:
-        np.testing.assert_array_equal(s, shards[0])
-
-
 class _BN(nnx.Module):
     def __init__(self, features: int, *, momentum: float = 0.0):
         self.bn = nnx.BatchNorm(features, momentum=momentum, rngs=nnx.Rngs(0))
@@ -64,7 +54,7 @@ def test_sync_batch_stats_equal_global_batch_stats(n):
     normalized = (x - mean) / np.sqrt(var + 1e-5)
     np.testing.assert_allclose(float(out), np.mean(normalized**2), rtol=1e-5)
     for leaf in (model.bn.mean[...], model.bn.var[...], out):
-        _assert_replicated(leaf)
+        helpers.assert_replicated_shards(leaf)
 
 
 @pytest.mark.parametrize("n", WORKERS)
@@ -180,10 +170,10 @@ def test_dense_steps_equal_one_device_steps_and_metrics_are_replicated(n):
         loss = step(model, opt, metrics, b)
         # SyncBN: the mean of the workers' losses is the global batch's loss.
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-        _assert_replicated(loss)
+        helpers.assert_replicated_shards(loss)
     helpers.assert_trees_close(nnx.state(model), nnx.state(ref_model), rtol=1e-4, atol=1e-6)
     for leaf in jax.tree.leaves(nnx.state(model)) + jax.tree.leaves(nnx.state(metrics)):
-        _assert_replicated(leaf)
+        helpers.assert_replicated_shards(leaf)
     got, want = metrics.compute(), ref_metrics.compute()
     assert int(metrics.accuracy.count[...]) == 3 * 4 * n  # every worker's examples counted
     np.testing.assert_allclose(float(got["accuracy"]), float(want["accuracy"]), rtol=1e-6)
@@ -199,7 +189,7 @@ def test_powersgd_keeps_residuals_per_worker_and_params_replicated(n):
     losses = [float(step(model, opt, metrics, _batch(s, 4 * n))) for s in range(6)]
     assert np.all(np.isfinite(losses))
     for leaf in jax.tree.leaves(nnx.state(model)):
-        _assert_replicated(leaf)
+        helpers.assert_replicated_shards(leaf)
     (ef,) = [
         s
         for s in jax.tree.leaves(

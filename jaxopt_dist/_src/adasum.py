@@ -134,12 +134,10 @@ class _Layout:
         nmant, bias, _, _ = _bit_layout(self.compute_dtype)
         return jnp.min(jnp.maximum(exps[0], exps[1])) < (1 - bias) + nmant + 2
 
-    def normalized(
-        self, a: jax.Array, b: jax.Array, exps: jax.Array, bits: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
+    def normalized(self, a: jax.Array, b: jax.Array, exps: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` leaf by leaf (``exps`` from :meth:`exponents`), exact.
 
-        Largest entries in [0.5, 1). Where ``bits`` (:meth:`needs_bits`),
+        Largest entries in [0.5, 1). Where :meth:`needs_bits`,
         subnormal inputs are read from their bits (see :func:`_normalize`).
         """
 
@@ -149,7 +147,8 @@ class _Layout:
         def plain(a, b):
             return _times_pow2(a, -exps[0], self.cols), _times_pow2(b, -exps[1], self.cols)
 
-        return jax.lax.cond(bits, exact, plain, a.astype(self.compute_dtype), b.astype(self.compute_dtype))
+        a, b = a.astype(self.compute_dtype), b.astype(self.compute_dtype)
+        return jax.lax.cond(self.needs_bits(exps), exact, plain, a, b)
 
     def partial_dots(self, a1: jax.Array, b1: jax.Array) -> jax.Array:
         """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``,
@@ -161,9 +160,7 @@ class _Layout:
             [jnp.sum(prods[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
         )
 
-    def combine(
-        self, a1: jax.Array, b1: jax.Array, dots: jax.Array, exps: jax.Array, bits: jax.Array
-    ) -> jax.Array:
+    def combine(self, a1: jax.Array, b1: jax.Array, dots: jax.Array, exps: jax.Array) -> jax.Array:
         """``A(a, b)`` leaf by leaf, from :meth:`normalized` and :meth:`partial_dots`.
 
         With ``a = a' 2^e_a``, ``b = b' 2^e_b`` and ``m = max(e_a, e_b)``, the
@@ -173,7 +170,7 @@ class _Layout:
         ``A(a, b) 2^-m = (a' - r_a a' 2^(e_b - e_a)) 2^(e_a - m) + (b' - r_b b' 2^(e_a - e_b)) 2^(e_b - m)``
 
         with ``r = a'.b' / 2|.|^2``, and scaled back by ``2^m`` at the end
-        (where ``bits``, on the bits: a result among the subnormals is rounded
+        (where :meth:`needs_bits`, on the bits: a result among the subnormals is rounded
         once, see :func:`_denormalize`). Every
         factor stays in range, however far apart the two vectors' magnitudes
         are; the powers of two below 1 can only flush terms below the
@@ -188,7 +185,10 @@ class _Layout:
         sb = self._columns(_pow2_at_most_one(exps[1] - top, self.compute_dtype))
         out = (a1 * sa - (ra * a1) * sb) + (b1 * sb - (rb * b1) * sa)
         out = jax.lax.cond(
-            bits, lambda y: _denormalize(y, top, self.cols), lambda y: _times_pow2(y, top, self.cols), out
+            self.needs_bits(exps),
+            lambda y: _denormalize(y, top, self.cols),
+            lambda y: _times_pow2(y, top, self.cols),
+            out,
         )
         return out.astype(self.dtype)
 
@@ -267,12 +267,8 @@ def _normalize(x: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
     tiny = (bits >> nmant) & ut.type((np.iinfo(ut).max >> 1) >> nmant) == 0
     mag = (bits & ut.type((1 << nmant) - 1)).astype(x.dtype)  # exact: fewer than nmant + 1 bits
     signed = jnp.where(bits >> (ut.itemsize * 8 - 1) == 1, -mag, mag)
-    f1, f2 = (base.repeat_segments(f, cols)[None, :] for f in _pow2_pair(e, x.dtype))
-    g1, g2 = (
-        base.repeat_segments(g, cols)[None, :]
-        for g in _pow2_pair(e - _subnormal_unit_exponent(x.dtype), x.dtype)
-    )
-    return jnp.where(tiny, signed * g1 * g2, x * f1 * f2)
+    below = _times_pow2(signed, e - _subnormal_unit_exponent(x.dtype), cols)
+    return jnp.where(tiny, below, _times_pow2(x, e, cols))
 
 
 def _denormalize(y: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
@@ -283,16 +279,11 @@ def _denormalize(y: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
     rounded to an integer, a product that is itself exact.
     """
     nmant, _, ut, _ = _bit_layout(y.dtype)
-    f1, f2 = (base.repeat_segments(f, cols)[None, :] for f in _pow2_pair(e, y.dtype))
-    g1, g2 = (
-        base.repeat_segments(g, cols)[None, :]
-        for g in _pow2_pair(e + _subnormal_unit_exponent(y.dtype), y.dtype)
-    )
-    units = jnp.abs(y) * g1 * g2
+    units = _times_pow2(jnp.abs(y), e + _subnormal_unit_exponent(y.dtype), cols)
     field = jnp.round(jnp.minimum(units, float(1 << (nmant + 1)))).astype(ut)
     sign = jax.lax.bitcast_convert_type(y, ut) & ut.type(1 << (ut.itemsize * 8 - 1))
     tiny = jax.lax.bitcast_convert_type(field | sign, y.dtype)
-    return jnp.where(units < float(1 << nmant), tiny, y * f1 * f2)
+    return jnp.where(units < float(1 << nmant), tiny, _times_pow2(y, e, cols))
 
 
 def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
@@ -329,15 +320,13 @@ def _run_tree(
         return [_settle(lay.exponents(x, y)) for lay, x, y in zip(layouts, a, b)]
 
     def normalized(a, b, exps):
-        return [lay.normalized(x, y, e, lay.needs_bits(e)) for lay, x, y, e in zip(layouts, a, b, exps)]
+        return [lay.normalized(x, y, e) for lay, x, y, e in zip(layouts, a, b, exps)]
 
     def dots_of(ab):
         return [lay.partial_dots(x, y) for lay, (x, y) in zip(layouts, ab)]
 
     def combine(ab, dots, exps):
-        return [
-            lay.combine(x, y, d, e, lay.needs_bits(e)) for lay, (x, y), d, e in zip(layouts, ab, dots, exps)
-        ]
+        return [lay.combine(x, y, d, e) for lay, (x, y), d, e in zip(layouts, ab, dots, exps)]
 
     def pair(a, b):
         exps = exps_of(a, b)

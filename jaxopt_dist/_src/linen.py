@@ -197,18 +197,12 @@ class DataParallelTrainState:
             raise TypeError(
                 f"The first argument must be a jaxopt_dist.linen.TrainState; got {type(state).__name__}."
             )
-        n = self.num_workers
-        for x in jax.tree.leaves(batch):
-            if np.ndim(x) == 0 or np.shape(x)[0] % n:
-                raise ValueError(
-                    f"Every batch leaf needs a leading (batch) dimension divisible by the {n} workers; "
-                    f"got shape {np.shape(x)}."
-                )
         key = (
             jax.tree.structure((state, batch)),
             tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves((state, batch))),
         )
         if key not in self._cache:
+            parallel.check_batch(batch, self.num_workers)
             self._cache[key] = self._build(state, batch)
         jitted, shardings, mask = self._cache[key]
         state, batch = jax.device_put((self._stack(state, mask), batch), shardings)

@@ -320,14 +320,12 @@ class DataParallel:
         batch_pos = [i for i in range(nargs) if i not in node_pos]
         nodes = tuple(args[i] for i in node_pos)
         batch = [args[i] for i in batch_pos]
-        n = self.num_workers
-        for x in jax.tree.leaves(batch):
-            if np.ndim(x) == 0 or np.shape(x)[0] % n:
-                raise ValueError(
-                    "Every array argument of a data-parallel step is split across workers and "
-                    f"needs a leading (batch) dimension divisible by the {n} workers; got shape "
-                    f"{np.shape(x)}. Pass models, optimizers, metrics and nnx.Rngs as NNX objects."
-                )
+        parallel.check_batch(
+            batch,
+            self.num_workers,
+            hint=" Every array argument is split across workers: pass models, optimizers, metrics "
+            "and nnx.Rngs as NNX objects.",
+        )
         _check_metrics(nodes)
         graphdef, state = nnx.split(nodes)
         flat = nnx.to_flat_state(state)

@@ -45,6 +45,16 @@ def _mesh_axis_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, axis_na
     return math.prod(mesh.shape[a] for a in names)
 
 
+def check_batch(batch: Any, n: int, *, hint: str = "") -> None:
+    """Every leaf of ``batch`` must split into ``n`` equal parts along its leading axis."""
+    for x in jax.tree.leaves(batch):
+        if np.ndim(x) == 0 or np.shape(x)[0] % n:
+            raise ValueError(
+                f"Every batch leaf needs a leading (batch) dimension divisible by the {n} workers; "
+                f"got shape {np.shape(x)}.{hint}"
+            )
+
+
 def check_mesh(mesh: Any, axis_name: base.AxisName) -> int:
     """Checks that ``mesh`` is a Mesh with ``axis_name``; returns the number of workers."""
     if not isinstance(mesh, jax.sharding.Mesh):
@@ -779,13 +789,7 @@ class DataParallelStep:
         fn = self._compiled.get(("step", key))
         if fn is None:
             self._check_layouts(params, opt_state)
-            n = self.num_workers
-            for x in jax.tree.leaves(batch):
-                if np.ndim(x) == 0 or np.shape(x)[0] % n:
-                    raise ValueError(
-                        f"Every batch leaf needs a leading (batch) dimension divisible by the "
-                        f"{n} workers; got shape {np.shape(x)}."
-                    )
+            check_batch(batch, self.num_workers)
             fn = self._build(params, batch)
             self._compiled[("step", key)] = fn
         return fn(params, opt_state, batch)
