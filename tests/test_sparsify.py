@@ -588,6 +588,29 @@ def test_strided_random_k_indices_distinct_in_range_and_uniform(size, k):
     assert np.all(np.abs(counts - expected) < 6 * np.sqrt(expected) + 1)
 
 
+def test_batched_draws_equal_the_documented_per_leaf_draws():
+    """All leaves' starts and strides come from one batched draw; each equals
+    the documented draw from its own key ``fold_in(step_key, l)``."""
+    key = jax.random.PRNGKey(11)
+    plan = [(0, 50, 5), (3, 1000, 10), (7, 97, 96), (9, 10, 1), (12, 2359296, 23593)]
+    for leaf, size, k in plan:
+        k_start, k_stride = jax.random.split(jax.random.fold_in(key, leaf))
+        start = int(jax.random.randint(k_start, (), 0, size, dtype=jnp.int32))
+        q = size // k
+        stride = int(jax.random.randint(k_stride, (), max(1, q // 2), q + 1, dtype=jnp.int32))
+        expected = (start + stride * np.arange(k)) % size
+        np.testing.assert_array_equal(sp.random_k_indices(key, leaf, size, k), expected)
+        block = int(jax.random.randint(jax.random.fold_in(key, leaf), (), 0, size, dtype=jnp.int32))
+        assert int(sp.block_k_start(key, leaf, size)) == block
+    starts, strides = sp._progressions(key, plan)
+    for i, (leaf, size, k) in enumerate(plan):
+        idx = np.asarray(sp.random_k_indices(key, leaf, size, k))
+        assert idx[0] == int(starts[i]) and (k == 1 or (idx[1] - idx[0]) % size == int(strides[i]))
+    np.testing.assert_array_equal(
+        sp._block_starts(key, plan), [int(sp.block_k_start(key, leaf, size)) for leaf, size, _ in plan]
+    )
+
+
 @pytest.mark.parametrize("backend", helpers.BACKENDS)
 def test_random_k_subset_pattern_matches_reference(backend):
     n, T, k = 3, 5, 4

@@ -545,16 +545,35 @@ def random_k_indices(key: jax.Array, leaf: int, size: int, k: int, *, pattern: s
       the ``k`` largest of ``size`` float32 uniforms (one ``top_k``); it costs
       one random number per entry.
     """
-    leaf_key = jax.random.fold_in(key, leaf)
     if pattern == "subset":
-        u = jax.random.uniform(leaf_key, (size,), jnp.float32)
+        u = jax.random.uniform(jax.random.fold_in(key, leaf), (size,), jnp.float32)
         return jax.lax.top_k(u, k)[1].astype(jnp.int32)
     if pattern != "strided":
         raise ValueError(f"`pattern` must be one of {_PATTERNS}; got {pattern!r}.")
-    q = size // k
-    k_start, k_stride = jax.random.split(leaf_key)
-    start = jax.random.randint(k_start, (), 0, size, dtype=jnp.int32)
-    stride = jax.random.randint(k_stride, (), max(1, q // 2), q + 1, dtype=jnp.int32)
+    start, stride = _progressions(key, [(leaf, size, k)])
+    return _progression(start[0], stride[0], size, k)
+
+
+def _progressions(key: jax.Array, plan: Sequence[tuple[int, int, int]]) -> tuple[jax.Array, jax.Array]:
+    """Start and stride of the strided pattern of every ``(leaf, size, k)`` in ``plan``.
+
+    One batched draw for all leaves (the values of a draw per leaf: leaf
+    ``l``'s key is ``fold_in(key, l)``, split in two), so the compiled update
+    holds a handful of random-number ops instead of a few dozen per leaf.
+    """
+    leaves, sizes, ks = (jnp.asarray(c, jnp.int32) for c in zip(*plan))
+    q = sizes // ks
+
+    def draw(leaf, size, lo, hi):
+        k_start, k_stride = jax.random.split(jax.random.fold_in(key, leaf))
+        start = jax.random.randint(k_start, (), 0, size, dtype=jnp.int32)
+        return start, jax.random.randint(k_stride, (), lo, hi, dtype=jnp.int32)
+
+    return jax.vmap(draw)(leaves, sizes, jnp.maximum(1, q // 2), q + 1)
+
+
+def _progression(start: jax.Array, stride: jax.Array, size: int, k: int) -> jax.Array:
+    """``(start + j * stride) mod size`` for ``j < k``, with ``(k - 1) * stride < size``."""
     offsets = stride * jnp.arange(k, dtype=jnp.int32)  # < size: no overflow
     room = size - start  # offsets >= room wrap around
     return jnp.where(offsets >= room, offsets - room, offsets + start)
@@ -562,7 +581,17 @@ def random_k_indices(key: jax.Array, leaf: int, size: int, k: int, *, pattern: s
 
 def block_k_start(key: jax.Array, leaf: int, size: int) -> jax.Array:
     """The first index of the block :func:`block_k` sends for leaf number ``leaf`` (see there)."""
-    return jax.random.randint(jax.random.fold_in(key, leaf), (), 0, size, dtype=jnp.int32)
+    return _block_starts(key, [(leaf, size, 1)])[0]
+
+
+def _block_starts(key: jax.Array, plan: Sequence[tuple[int, int, int]]) -> jax.Array:
+    """The block start of every ``(leaf, size, k)`` in ``plan``, in one batched draw."""
+    leaves, sizes, _ = (jnp.asarray(c, jnp.int32) for c in zip(*plan))
+
+    def draw(leaf, size):
+        return jax.random.randint(jax.random.fold_in(key, leaf), (), 0, size, dtype=jnp.int32)
+
+    return jax.vmap(draw)(leaves, sizes)
 
 
 def _shared_compressor(
@@ -575,7 +604,8 @@ def _shared_compressor(
     pick: Callable[..., tuple[Callable[[jax.Array], jax.Array], ...]],
     invariant_updates: str = "sum",
 ) -> ef.Compressor:
-    """``pick(step_key, leaf, size, k) -> (take, put, keep)``: ``take`` reads the k sent
+    """``pick(step_key, plan) -> [(take, put, keep), ...]``, one triple per
+    ``(leaf, size, k)`` of ``plan`` (the sparse leaves): ``take`` reads the k sent
     entries of a flat leaf, ``put`` writes k values back into a zero leaf, ``keep``
     zeroes the entries of a flat leaf that are not sent (``put(take(v))``, fusible)."""
 
@@ -587,17 +617,16 @@ def _shared_compressor(
         del params, extra_args
         comm.require_axis(axis_name, caller)
         leaves, treedef = jax.tree.flatten(updates)
-        plan = _leaf_plan(_sizes(updates), k, density, caller)
-        key, step_key = jax.random.split(state.key)
+        key, _ = jax.random.split(state.key)
         sent, puts, contrib = [], [], []
-        for li, (x, kl) in enumerate(zip(leaves, plan)):
+        for x, tp in zip(leaves, plan_and_puts(updates, state)):
             v = jnp.ravel(x)
-            if kl is None:
+            if tp is None:
                 sent.append(v)
                 puts.append(None)
                 contrib.append(v)
             else:
-                take, put, keep = pick(step_key, li, v.shape[0], kl)
+                take, put, keep = tp
                 sent.append(take(v))
                 puts.append(put)
                 contrib.append(keep(v))
@@ -613,10 +642,11 @@ def _shared_compressor(
         leaves = jax.tree.leaves(tree)
         plan = _leaf_plan(_sizes(tree), k, density, caller)
         _, step_key = jax.random.split(state.key)
-        return [
-            None if kl is None else pick(step_key, li, math.prod(x.shape), kl)
-            for li, (x, kl) in enumerate(zip(leaves, plan))
+        sparse = [
+            (li, math.prod(x.shape), kl) for li, (x, kl) in enumerate(zip(leaves, plan)) if kl is not None
         ]
+        picked = iter(pick(step_key, sparse) if sparse else [])
+        return [None if kl is None else next(picked) for kl in plan]
 
     def encode(updates, state):
         leaves, treedef = jax.tree.flatten(updates)
@@ -645,16 +675,27 @@ def _shared_compressor(
 
 
 def _pick_random(pattern: str):
-    def pick(step_key, leaf, size, k):
-        idx = random_k_indices(step_key, leaf, size, k, pattern=pattern)
-        return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals)), (lambda v: _keep(v, idx))
+    def pick(step_key, plan):
+        if pattern == "subset":
+            indices = [random_k_indices(step_key, li, size, k, pattern=pattern) for li, size, k in plan]
+        else:
+            starts, strides = _progressions(step_key, plan)
+            indices = [_progression(starts[i], strides[i], size, k) for i, (_, size, k) in enumerate(plan)]
+        return [_index_triple(idx, size) for idx, (_, size, _) in zip(indices, plan)]
 
     return pick
 
 
-def _pick_block(step_key, leaf, size, k):
-    start = block_k_start(step_key, leaf, size)
+def _index_triple(idx: jax.Array, size: int):
+    return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals)), (lambda v: _keep(v, idx))
 
+
+def _pick_block(step_key, plan):
+    starts = _block_starts(step_key, plan)
+    return [_block_triple(starts[i], size, k) for i, (_, size, k) in enumerate(plan)]
+
+
+def _block_triple(start: jax.Array, size: int, k: int):
     def take(v):
         return jnp.roll(v, -start)[:k]
 
