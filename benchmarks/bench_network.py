@@ -20,6 +20,15 @@ worker would take ``bytes_per_worker / R``). Where ``unshare`` or ``tc`` is
 not permitted (not root, no CAP_NET_ADMIN, no iproute2) the script says so
 and runs unshaped.
 
+Memory allocator (``--malloc``). XLA:CPU allocates a step's temporaries
+afresh at each call, and glibc returns large blocks to the kernel on free, so
+every step pays a page fault per 4 kB of its temporaries (on this machine's
+VM about 2.7 us each: 25 ms for one 38 MB buffer). By default every worker,
+JAX and PyTorch alike, runs with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+(glibc >= 2.35: transparent huge pages for large allocations, where the
+kernel's THP mode is ``madvise`` or ``always``); ``--malloc default`` keeps
+the environment as it is. On a cluster (``--coordinator``) set it yourself.
+
 Columns, per rate:
 
 * ``s/step``: measured seconds per update (process 0's median);
@@ -505,15 +514,39 @@ def _resnet18_shapes_nojax(width: int) -> list[tuple[int, ...]]:
 # Launcher.
 
 
+def _malloc_note(malloc: str) -> str:
+    """What ``--malloc`` gave the workers, with the kernel's transparent-huge-page mode."""
+    if malloc != "hugepages":
+        return "default environment"
+    try:
+        mode = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split()
+        thp = next((m.strip("[]") for m in mode if m.startswith("[")), "unknown")
+    except OSError:
+        thp = "unknown"
+    return f"GLIBC_TUNABLES={MALLOC_TUNABLE} (transparent huge pages: {thp})"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _child_env() -> dict[str, str]:
+MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def _child_env(malloc: str = "hugepages") -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
+    if malloc == "hugepages":
+        # XLA:CPU allocates a step's temporaries afresh at every call; glibc
+        # maps large blocks with mmap and returns them on free, so every step
+        # faults in every page of its temporaries again (measured: 9217 faults,
+        # 25 ms, for one 38 MB buffer on this machine's VM). With transparent
+        # huge pages on those blocks a fault covers 2 MB instead of 4 kB.
+        # Workers of both libraries get the same environment.
+        tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, MALLOC_TUNABLE])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 
@@ -589,7 +622,7 @@ def launch_group(args: argparse.Namespace, kind: str, procs: int, timeout: float
         # A session of its own, so a timeout (or Ctrl-C) ends every worker, not just the shell.
         proc = subprocess.Popen(
             argv,
-            env=_child_env(),
+            env=_child_env(args.malloc),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -761,6 +794,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="processes timing the compute-only update side by side, each on its own device and no link "
         "(default: --procs, so each gets the share of the CPU cores a process of the linked run has)",
     )
+    p.add_argument(
+        "--malloc",
+        choices=("hugepages", "default"),
+        default="hugepages",
+        help="hugepages (default): every worker (JAX and torch) runs with GLIBC_TUNABLES="
+        f"{MALLOC_TUNABLE}, transparent huge pages for large allocations; default: the environment as is",
+    )
     p.add_argument("--json", default=None, help="also write process 0's results to this JSON file")
     p.add_argument("--from-json", default=None, help="print the tables of a saved --json file and exit")
     args = p.parse_args(argv)
@@ -854,6 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {note}", file=sys.stderr)
     else:
         note = f"loopback shaped in a fresh network namespace: tc {TC_SHAPE.format(rate='R')}"
+    note += f"; malloc: {_malloc_note(args.malloc)}"
     if not args.shape:
         args.rates = ["unshaped"]
     if args.e2e:
