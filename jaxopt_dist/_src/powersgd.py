@@ -196,6 +196,31 @@ def _product(mats: list[jax.Array], q: jax.Array) -> jax.Array:
     return jnp.stack([a @ q[j] for j, a in enumerate(mats)])
 
 
+_OUTER_RANKS = 2  # up to this rank, P Q^T is a sum of outer products (see _outer_product)
+
+
+def _outer_product(p: jax.Array, q: jax.Array) -> jax.Array:
+    """``P Q^T`` for factors ``(n, r)`` and ``(m, r)``.
+
+    Up to rank ``_OUTER_RANKS`` it is written as the sum of the ``r`` outer
+    products of the columns, in column order: an elementwise expression that
+    XLA fuses into its consumers (the residual, the optimizer after the
+    transform), where a matmul writes an ``(n, m)`` temporary that every
+    consumer reads again. Measured on ResNet-18's gradients, one core, with
+    ``sgd(momentum=0.9)``: rank 2 53 -> 40 ms per update; at rank 4 the four
+    products recomputed in each consumer cost what they save (about 50 ms
+    either way), so higher ranks keep the matmul. (Rank 1 is the same
+    program either way: XLA turns a one-term matmul into this product.)
+    """
+    r = p.shape[-1]
+    if r > _OUTER_RANKS:
+        return p @ q.T
+    out = p[:, 0, None] * q[None, :, 0]
+    for t in range(1, r):
+        out = out + p[:, t, None] * q[None, :, t]
+    return out
+
+
 def _revive(factors: list[jax.Array], count: jax.Array, which: int) -> list[jax.Array]:
     """Replaces exactly-zero columns of warm-started factors by pseudo-random ones.
 
@@ -457,7 +482,7 @@ def powersgd(
             contribution = list(leaves)
             for g, a, b in zip(groups, p, q):
                 for j, i in enumerate(g.leaves):
-                    x = (a[j] @ b[j].T).reshape(leaves[i].shape).astype(leaves[i].dtype)
+                    x = _outer_product(a[j], b[j]).reshape(leaves[i].shape).astype(leaves[i].dtype)
                     out[i] = x
                     contribution[i] = x
             for i, x in zip(plan.dense, dense_mean):
