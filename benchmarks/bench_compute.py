@@ -22,7 +22,11 @@ Methods are timed round-robin (each repeat runs every method once), so a
 load change on the machine affects all rows alike.
 
 Run: ``python benchmarks/bench_compute.py`` (``--quick``: widths / 8, 3 repeats;
-``--only SUBSTR``: the methods whose label contains it).
+``--only SUBSTR``: the methods whose label contains it). XLA:CPU allocates an
+update's temporaries afresh at each call; to time them without glibc
+returning them to the kernel (and faulting them in again at every step), run
+it as ``bench_network.py`` runs its workers:
+``GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/bench_compute.py``.
 """
 
 from __future__ import annotations

@@ -153,3 +153,20 @@ def test_e2e_lowcomm_rows_build():
     for name, (_, make, per_worker) in rows.items():
         assert per_worker == (name != "dense"), name
         assert jd.communication_cost(make(), params, axis_size=2).sent_bytes > 0, name
+
+
+def test_workers_get_the_huge_page_malloc_tunable(monkeypatch):
+    """``--malloc hugepages`` (the default) adds glibc's tunable to the workers'
+    environment, keeping tunables already set; ``--malloc default`` adds nothing."""
+    bn = _bench_module()
+    assert bn.parse_args([]).malloc == "hugepages"
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert bn._child_env("hugepages")["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    assert "GLIBC_TUNABLES" not in bn._child_env("default")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert bn._child_env("hugepages")["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert bn._child_env("default")["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
+    assert (
+        "GLIBC_TUNABLES" in bn._malloc_note("hugepages")
+        and bn._malloc_note("default") == "default environment"
+    )
