@@ -601,7 +601,7 @@ def _shared_compressor(
     axis_name: base.AxisName,
     caller: str,
     state_cls: Callable[..., Any],
-    pick: Callable[..., tuple[Callable[[jax.Array], jax.Array], ...]],
+    pick: Callable[..., list[tuple[Callable[[jax.Array], jax.Array], ...]]],
     invariant_updates: str = "sum",
 ) -> ef.Compressor:
     """``pick(step_key, plan) -> [(take, put, keep), ...]``, one triple per
@@ -687,6 +687,7 @@ def _pick_random(pattern: str):
 
 
 def _index_triple(idx: jax.Array, size: int):
+    """``(take, put, keep)`` of a leaf of ``size`` entries sending those at ``idx``."""
     return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals)), (lambda v: _keep(v, idx))
 
 
@@ -696,6 +697,8 @@ def _pick_block(step_key, plan):
 
 
 def _block_triple(start: jax.Array, size: int, k: int):
+    """``(take, put, keep)`` of a leaf of ``size`` entries sending ``k`` from ``start`` on, wrapping."""
+
     def take(v):
         return jnp.roll(v, -start)[:k]
 
