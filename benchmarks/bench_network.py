@@ -514,6 +514,9 @@ def _resnet18_shapes_nojax(width: int) -> list[tuple[int, ...]]:
 # Launcher.
 
 
+MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"  # --malloc hugepages (module docstring)
+
+
 def _malloc_note(malloc: str) -> str:
     """What ``--malloc`` gave the workers, with the kernel's transparent-huge-page mode."""
     if malloc != "hugepages":
@@ -532,19 +535,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"
-
-
-def _child_env(malloc: str = "hugepages") -> dict[str, str]:
+def _child_env(malloc: str) -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    if malloc == "hugepages":
-        # XLA:CPU allocates a step's temporaries afresh at every call; glibc
-        # maps large blocks with mmap and returns them on free, so every step
-        # faults in every page of its temporaries again (measured: 9217 faults,
-        # 25 ms, for one 38 MB buffer on this machine's VM). With transparent
-        # huge pages on those blocks a fault covers 2 MB instead of 4 kB.
-        # Workers of both libraries get the same environment.
+    if malloc == "hugepages":  # the same for both libraries' workers (module docstring)
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
         env["GLIBC_TUNABLES"] = ":".join([*tunables, MALLOC_TUNABLE])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
