@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxopt_dist._src import base, comm
+from jaxopt_dist._src import base, comm, selection
 from jaxopt_dist._src import error_feedback as ef
 
 # ----------------------------------------------------------------------------
@@ -178,35 +178,10 @@ def _gather_exchange(
     return out, contrib
 
 
-_ROW = 8  # entries per row of the two-level selection in _top_indices
-_LEVELS = 2  # row levels at most
-
-
-def _top_indices(a: jax.Array, k: int, levels: int = _LEVELS) -> jax.Array:
-    """Indices of the ``k`` largest entries of a flat ``a`` (ties: lower index first), as ``lax.top_k``.
-
-    ``lax.top_k`` over millions of entries is slow on CPU; the same answer
-    comes from two smaller ones. Cut ``a`` into rows of ``_ROW`` entries
-    (padded with ``-inf``): a row holding one of the ``k`` largest entries is
-    among the ``k`` rows of largest maximum (each row ranked ahead of it, by
-    maximum then index, holds an entry ranked ahead of that entry, and at most
-    ``k - 1`` entries are), so ``top_k`` over the ``k * _ROW`` entries of
-    those rows, taken in index order, gives the same indices in the same
-    order. The row maxima are ranked the same way, ``levels`` deep.
-    """
-    d = a.shape[0]
-    rows = -(-d // _ROW)
-    if levels == 0 or rows <= 2 * k:
-        return jax.lax.top_k(a, k)[1].astype(jnp.int32)
-    padded = jnp.pad(a, (0, rows * _ROW - d), constant_values=-jnp.inf).reshape(rows, _ROW)
-    picked = jnp.sort(_top_indices(jnp.max(padded, axis=1), k, levels - 1))
-    j = jax.lax.top_k(padded[picked].reshape(-1), k)[1]
-    return (picked[j // _ROW] * _ROW + j % _ROW).astype(jnp.int32)
-
-
 def _largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The ``k`` largest-magnitude entries (ties: lower index first) and their int32 indices."""
-    idx = _top_indices(jnp.abs(x), k)
+    """The ``k`` largest-magnitude entries (ties: lower index first) and their int32 indices,
+    in increasing index order."""
+    idx = selection.top_indices(selection.magnitude_keys(x), k)
     return x[idx], idx
 
 
@@ -254,9 +229,9 @@ def _top_k_compressor(
             return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), state
         dtype = jnp.result_type(*leaves)
         flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
-        selection = _largest(flat, p)
-        (out,), _ = _gather_exchange([flat], [selection], axis_name, "top_k")
-        return _split(treedef, leaves, out), _split(treedef, leaves, _keep(flat, selection[1])), state
+        chosen = _largest(flat, p)
+        (out,), _ = _gather_exchange([flat], [chosen], axis_name, "top_k")
+        return _split(treedef, leaves, out), _split(treedef, leaves, _keep(flat, chosen[1])), state
 
     def pick(v, kl):
         return None if kl is None else _largest(v, kl)
