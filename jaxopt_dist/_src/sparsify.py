@@ -181,7 +181,7 @@ def _gather_exchange(
 def _largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """The ``k`` largest-magnitude entries (ties: lower index first) and their int32 indices,
     in increasing index order."""
-    idx = selection.top_indices(selection.magnitude_keys(x), k)
+    idx = selection.top_indices(x, k)
     return x[idx], idx
 
 
