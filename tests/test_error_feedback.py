@@ -74,10 +74,12 @@ def recording(compressor: jd.Compressor) -> jd.Compressor:
         return compressor.init(params), jax.tree.map(jnp.zeros_like, params)
 
     def compress(updates, state, params=None, **extra_args):
-        out, contribution, inner = compressor.compress(updates, state[0], params, **extra_args)
-        return out, contribution, (inner, contribution)
+        out, second, inner = compressor.compress(updates, state[0], params, **extra_args)
+        # A compressor that returns the residual: its contribution is what it took away.
+        contribution = jax.tree.map(jnp.subtract, updates, second) if compressor.returns_residual else second
+        return out, second, (inner, contribution)
 
-    return jd.Compressor(init, compress)
+    return jd.Compressor(init, compress, returns_residual=compressor.returns_residual)
 
 
 @functools.cache

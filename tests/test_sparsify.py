@@ -152,6 +152,16 @@ def test_matches_numpy_reference_30_steps(case, n, backend):
         helpers.assert_trees_close(state[0].residual, res, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["top_k", "top_k_density", "random_k", "block_k"])
+def test_residuals_are_bit_exact(case):
+    """The sent entries are zeroed in place; the rest is ``g + e`` bit for bit, as ``x - contribution``."""
+    make_tx, make_select, _ = CASES[case]
+    grads = make_grads(77, 5, 3)
+    _, _, state = helpers.scan_steps(make_tx(), grads, zero_params(), backend="vmap")
+    _, res = np_sparse_run(grads, make_select())
+    helpers.assert_trees_equal(state.residual, res)
+
+
 @pytest.mark.parametrize("backend", helpers.BACKENDS)
 @pytest.mark.parametrize("n", (1, 3, 8))
 def test_top_k_flattened_matches_reference(n, backend):

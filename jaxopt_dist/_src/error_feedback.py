@@ -82,6 +82,11 @@ class Compressor(NamedTuple):
       linear: whether the output depends only on the mean of the inputs over
         the workers (random-k, block-k, PowerSGD). Nonlinear compressors
         always reject already-summed updates.
+      returns_residual: ``compress`` returns the residual (``updates`` minus
+        the contribution) in place of the contribution. A sparsifier then
+        zeroes the sent entries of the corrected updates in place, where the
+        subtraction would read the updates and a dense contribution again
+        (equal for finite values: ``x - x`` is ``+0.0``, ``x - 0`` is ``x``).
     """
 
     init: Callable[[optax.Params], optax.OptState]
@@ -91,6 +96,7 @@ class Compressor(NamedTuple):
     name: str | None = None
     invariant_updates: str = "error"
     linear: bool = False
+    returns_residual: bool = False
 
 
 _WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], Compressor] = weakref.WeakKeyDictionary()
@@ -174,10 +180,13 @@ def error_feedback(
             )
         else:
             corrected = updates
+        # `contribution` is the residual itself where the compressor returns that.
         output, contribution, inner_state = compressor.compress(
             corrected, state.inner_state, params, **extra_args
         )
-        if enabled:
+        if enabled and compressor.returns_residual:
+            residual = jax.tree.map(lambda r, e: r.astype(e.dtype), contribution, state.residual)
+        elif enabled:
             residual = jax.tree.map(
                 lambda x, c, e: (x - c.astype(x.dtype)).astype(e.dtype),
                 corrected,

@@ -129,15 +129,22 @@ def _scatter(size: int, indices: jax.Array, values: jax.Array) -> jax.Array:
     return jnp.zeros((size,), values.dtype).at[indices].set(values, unique_indices=True)
 
 
-def _keep(v: jax.Array, indices: jax.Array) -> jax.Array:
-    """``v`` at ``indices``, zero elsewhere: equal to ``_scatter(size, indices, v[indices])``.
+def _drop(v: jax.Array, indices: jax.Array) -> jax.Array:
+    """``v`` with the entries at (distinct) ``indices`` zeroed: the residual of a sparse message.
 
-    Written as a select on a boolean mask, so that XLA fuses it into the
-    error-feedback update (``residual = x - contribution``) instead of
-    writing a dense float vector.
+    A scatter that XLA runs in place where ``v`` is written out anyway (top-k
+    reads it several times to select), instead of ``v - contribution``
+    reading ``v`` again with a dense contribution or mask.
     """
+    return v.at[indices].set(jnp.zeros([], v.dtype), unique_indices=True)
+
+
+def _drop_masked(v: jax.Array, indices: jax.Array) -> jax.Array:
+    """The same as :func:`_drop`, as a select on a boolean mask: XLA fuses it
+    with the computation of ``v`` (``g + e``) where nothing else needs ``v``
+    whole (random-k reads only the k sent entries)."""
     mask = jnp.zeros(v.shape, jnp.bool_).at[indices].set(True, unique_indices=True)
-    return jnp.where(mask, v, jnp.zeros_like(v))
+    return jnp.where(mask, jnp.zeros_like(v), v)
 
 
 def _gather_exchange(
@@ -217,21 +224,21 @@ def _top_k_compressor(
             plan = _leaf_plan(_sizes(updates), k, density, "top_k")
             vectors = [jnp.ravel(x) for x in leaves]
             selections = [None if kl is None else _largest(v, kl) for v, kl in zip(vectors, plan)]
-            out, contrib = _gather_exchange(vectors, selections, axis_name, "top_k")
-            contrib = [
-                c if sel is None else _keep(v, sel[1]) for c, v, sel in zip(contrib, vectors, selections)
+            out, _ = _gather_exchange(vectors, selections, axis_name, "top_k")
+            residual = [
+                jnp.zeros_like(v) if sel is None else _drop(v, sel[1]) for v, sel in zip(vectors, selections)
             ]
-            return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), state
+            return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, residual), state
         p = _flat_plan(sum(_sizes(updates)), k, density, "top_k")
         if p is None:  # k == every entry: all dense
             vectors = [jnp.ravel(x) for x in leaves]
-            out, contrib = _gather_exchange(vectors, [None] * len(vectors), axis_name, "top_k")
-            return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), state
+            out, _ = _gather_exchange(vectors, [None] * len(vectors), axis_name, "top_k")
+            return _unflatten(treedef, leaves, out), jax.tree.map(jnp.zeros_like, updates), state
         dtype = jnp.result_type(*leaves)
         flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
         chosen = _largest(flat, p)
         (out,), _ = _gather_exchange([flat], [chosen], axis_name, "top_k")
-        return _split(treedef, leaves, out), _split(treedef, leaves, _keep(flat, chosen[1])), state
+        return _split(treedef, leaves, out), _split(treedef, leaves, _drop(flat, chosen[1])), state
 
     def pick(v, kl):
         return None if kl is None else _largest(v, kl)
@@ -239,7 +246,7 @@ def _top_k_compressor(
     codec = (
         _sparse_codec(lambda tree: _leaf_plan(_sizes(tree), k, density, "top_k"), pick) if per_leaf else None
     )
-    return ef.Compressor(init, compress, codec, axis_name=axis_name, name="top_k")
+    return ef.Compressor(init, compress, codec, axis_name=axis_name, name="top_k", returns_residual=True)
 
 
 def _sparse_codec(plan_of: Callable[[Any], list[int | None]], pick: Callable[..., Any]) -> ef.Codec:
@@ -579,10 +586,10 @@ def _shared_compressor(
     pick: Callable[..., list[tuple[Callable[[jax.Array], jax.Array], ...]]],
     invariant_updates: str = "sum",
 ) -> ef.Compressor:
-    """``pick(step_key, plan) -> [(take, put, keep), ...]``, one triple per
+    """``pick(step_key, plan) -> [(take, put, drop), ...]``, one triple per
     ``(leaf, size, k)`` of ``plan`` (the sparse leaves): ``take`` reads the k sent
-    entries of a flat leaf, ``put`` writes k values back into a zero leaf, ``keep``
-    zeroes the entries of a flat leaf that are not sent (``put(take(v))``, fusible)."""
+    entries of a flat leaf, ``put`` writes k values back into a zero leaf, ``drop``
+    zeroes the sent entries of a flat leaf (``v - put(take(v))``: the residual)."""
 
     def init(params):
         _leaf_plan(_sizes(params), k, density, caller)
@@ -593,23 +600,23 @@ def _shared_compressor(
         comm.require_axis(axis_name, caller)
         leaves, treedef = jax.tree.flatten(updates)
         key, _ = jax.random.split(state.key)
-        sent, puts, contrib = [], [], []
+        sent, puts, residual = [], [], []
         for x, tp in zip(leaves, plan_and_puts(updates, state)):
             v = jnp.ravel(x)
             if tp is None:
                 sent.append(v)
                 puts.append(None)
-                contrib.append(v)
+                residual.append(jnp.zeros_like(v))
             else:
-                take, put, keep = tp
+                take, put, drop = tp
                 sent.append(take(v))
                 puts.append(put)
-                contrib.append(keep(v))
+                residual.append(drop(v))
         means = comm.reduce(sent, axis_name, reduction="mean", flatten=True, caller=caller)
         out = [m if put is None else put(m) for m, put in zip(means, puts)]
         return (
             _unflatten(treedef, leaves, out),
-            _unflatten(treedef, leaves, contrib),
+            _unflatten(treedef, leaves, residual),
             state_cls(key=key),
         )
 
@@ -646,6 +653,7 @@ def _shared_compressor(
         name=caller,
         invariant_updates=invariant_updates,
         linear=True,
+        returns_residual=True,
     )
 
 
@@ -662,8 +670,8 @@ def _pick_random(pattern: str):
 
 
 def _index_triple(idx: jax.Array, size: int):
-    """``(take, put, keep)`` of a leaf of ``size`` entries sending those at ``idx``."""
-    return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals)), (lambda v: _keep(v, idx))
+    """``(take, put, drop)`` of a leaf of ``size`` entries sending those at ``idx``."""
+    return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals)), (lambda v: _drop_masked(v, idx))
 
 
 def _pick_block(step_key, plan):
@@ -672,7 +680,7 @@ def _pick_block(step_key, plan):
 
 
 def _block_triple(start: jax.Array, size: int, k: int):
-    """``(take, put, keep)`` of a leaf of ``size`` entries sending ``k`` from ``start`` on, wrapping."""
+    """``(take, put, drop)`` of a leaf of ``size`` entries sending ``k`` from ``start`` on, wrapping."""
 
     def take(v):
         return jnp.roll(v, -start)[:k]
@@ -680,11 +688,11 @@ def _block_triple(start: jax.Array, size: int, k: int):
     def put(vals):
         return jnp.roll(jnp.pad(vals, (0, size - k)), start)
 
-    def keep(v):
+    def drop(v):
         inside = (jnp.arange(size, dtype=jnp.int32) - start) % size < k
-        return jnp.where(inside, v, jnp.zeros_like(v))
+        return jnp.where(inside, jnp.zeros_like(v), v)
 
-    return take, put, keep
+    return take, put, drop
 
 
 def _check_seed(seed: Any) -> int:
