@@ -127,17 +127,12 @@ def test_keys_order_as_magnitudes():
     frac=st.floats(0.0, 1.0),
     sampled=st.booleans(),
 )
-def test_any_ties_and_any_k(values, frac, sampled, monkeypatch_module):
+def test_any_ties_and_any_k(values, frac, sampled):
     x = np.asarray(values, np.float32)
     k = max(1, int(frac * x.shape[0]))
-    monkeypatch_module.setattr(sel, "_SAMPLED_MIN", 0 if sampled else 1 << 16)
-    monkeypatch_module.setattr(sel, "_STRIDE", 3)
-    got = run(x, k)
+    with pytest.MonkeyPatch.context() as mp:  # undone after each example
+        mp.setattr(sel, "_SAMPLED_MIN", 0 if sampled else 1 << 16)
+        mp.setattr(sel, "_STRIDE", 3)
+        got = run(x, k)
     np.testing.assert_array_equal(got, np_top(x, k))
     assert np.all(np.diff(got) > 0)
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
