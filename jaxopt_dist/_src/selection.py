@@ -57,17 +57,14 @@ def top_indices(x: jax.Array, k: int) -> jax.Array:
     ``lax.top_k(magnitude_keys(x), k)``.
     """
     d = x.shape[0]
+    if jnp.dtype(x.dtype).itemsize > 4:  # lax.top_k ranks floats as their keys only up to 32 bits
+        return _select(magnitude_keys(x), k)
     plan = _sample_plan(d, k)
-    if plan is not None and _heap_ok(x):
+    if plan is not None:
         return _from_sample(x, k, *plan)
-    if k * _HEAP_SHARE <= d and _heap_ok(x):
+    if k * _HEAP_SHARE <= d:
         return _heap_top(x, k)
     return _select(magnitude_keys(x), k)
-
-
-def _heap_ok(x: jax.Array) -> bool:
-    # lax.top_k ranks floats up to 32 bits as their magnitude keys do.
-    return jnp.dtype(x.dtype).itemsize <= 4
 
 
 def _heap_top(x: jax.Array, k: int) -> jax.Array:

@@ -152,8 +152,8 @@ def _gather_exchange(
     selections: Sequence[tuple[jax.Array, jax.Array] | None],
     axis_name: base.AxisName,
     caller: str,
-) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Per-worker selections -> (mean of what was sent, this worker's contribution).
+) -> list[jax.Array]:
+    """Per-worker selections -> the mean over workers of what was sent.
 
     ``vectors`` are flat; ``selections[i]`` is ``(values, int32 indices)`` for a
     sparse vector (values already masked as wanted) or None for a dense one.
@@ -162,7 +162,6 @@ def _gather_exchange(
     """
     n = comm.axis_size(axis_name, caller=caller)
     out: list[Any] = [None] * len(vectors)
-    contrib: list[Any] = [None] * len(vectors)
     dense = [i for i, s in enumerate(selections) if s is None]
     sparse = [i for i, s in enumerate(selections) if s is not None]
     if dense:
@@ -170,7 +169,7 @@ def _gather_exchange(
             [vectors[i] for i in dense], axis_name, reduction="mean", flatten=True, caller=caller
         )
         for i, m in zip(dense, means):
-            out[i], contrib[i] = m, vectors[i]
+            out[i] = m
     if sparse:
         payload: list[jax.Array] = []
         for i in sparse:
@@ -178,11 +177,9 @@ def _gather_exchange(
             payload += [values, indices]
         gathered = comm.all_gather_packed(payload, axis_name, caller=caller)
         for j, i in enumerate(sparse):
-            values, indices = selections[i]  # type: ignore[misc]
             size = vectors[i].shape[0]
             out[i] = _scatter_mean(size, gathered[2 * j + 1], gathered[2 * j], n, vectors[i].dtype)
-            contrib[i] = _scatter(size, indices, values)
-    return out, contrib
+    return out
 
 
 def _largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -224,7 +221,7 @@ def _top_k_compressor(
             plan = _leaf_plan(_sizes(updates), k, density, "top_k")
             vectors = [jnp.ravel(x) for x in leaves]
             selections = [None if kl is None else _largest(v, kl) for v, kl in zip(vectors, plan)]
-            out, _ = _gather_exchange(vectors, selections, axis_name, "top_k")
+            out = _gather_exchange(vectors, selections, axis_name, "top_k")
             residual = [
                 jnp.zeros_like(v) if sel is None else _drop(v, sel[1]) for v, sel in zip(vectors, selections)
             ]
@@ -232,12 +229,12 @@ def _top_k_compressor(
         p = _flat_plan(sum(_sizes(updates)), k, density, "top_k")
         if p is None:  # k == every entry: all dense
             vectors = [jnp.ravel(x) for x in leaves]
-            out, _ = _gather_exchange(vectors, [None] * len(vectors), axis_name, "top_k")
+            out = _gather_exchange(vectors, [None] * len(vectors), axis_name, "top_k")
             return _unflatten(treedef, leaves, out), jax.tree.map(jnp.zeros_like, updates), state
         dtype = jnp.result_type(*leaves)
         flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
         chosen = _largest(flat, p)
-        (out,), _ = _gather_exchange([flat], [chosen], axis_name, "top_k")
+        (out,) = _gather_exchange([flat], [chosen], axis_name, "top_k")
         return _split(treedef, leaves, out), _split(treedef, leaves, _drop(flat, chosen[1])), state
 
     def pick(v, kl):
@@ -420,7 +417,10 @@ def _threshold_compressor(
                 values = jnp.where(big[idx], values, jnp.zeros_like(values))
                 vectors.append(v)
                 selections.append((values, idx))
-        out, contrib = _gather_exchange(vectors, selections, axis_name, "threshold")
+        out = _gather_exchange(vectors, selections, axis_name, "threshold")
+        contrib = [
+            v if sel is None else _scatter(v.shape[0], sel[1], sel[0]) for v, sel in zip(vectors, selections)
+        ]
         new_state = ThresholdState(count=jnp.asarray(optax.safe_increment(state.count)))
         return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), new_state
 
