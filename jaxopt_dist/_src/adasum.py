@@ -100,26 +100,41 @@ class _Layout:
             for o, c, s, shape in zip(self.offsets, self.cols, self.sizes, self.shapes)
         ]
 
-    def exponents(self, a: jax.Array, b: jax.Array) -> jax.Array:
+    def exponents(self, mine: jax.Array, other: jax.Array, first: jax.Array) -> jax.Array:
         """Per leaf, the binary exponents ``e`` with ``max|x| = m 2^e``, ``m`` in [0.5, 1): shape ``(2, L)``.
 
-        Over the rows held; ``_NO_EXPONENT`` for a zero leaf (see :func:`_settle`). Dividing a leaf by ``2^e`` is exact
-        and brings its largest entry to [0.5, 1), so its squared norm lies in
-        [0.25, size]: it cannot underflow or overflow. Read from the bits, so
-        subnormal entries count (a backend that flushes them in arithmetic
-        would see zeros).
+        Row 0 is for the pair's first argument ``a`` (``mine`` where
+        ``first``, else ``other``), row 1 for the second ``b``. Over the rows
+        held; ``_NO_EXPONENT`` for a zero leaf (see :func:`_settle`). Dividing
+        a leaf by ``2^e`` is exact and brings its largest entry to [0.5, 1),
+        so its squared norm lies in [0.25, size]: it cannot underflow or
+        overflow. Subnormal entries count (see :meth:`_peak_bits`).
         """
-        mags = jnp.stack(
-            [_magnitude_bits(a.astype(self.compute_dtype)), _magnitude_bits(b.astype(self.compute_dtype))]
-        )
-        peaks = jnp.stack(
-            [jnp.max(mags[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
-        )
-        return _frexp_exponent(peaks, self.compute_dtype)
+        peaks = [self._peak_bits(x.astype(self.compute_dtype)) for x in (mine, other)]
+        mine_first = jnp.stack(peaks)
+        return _frexp_exponent(jnp.where(first, mine_first, mine_first[::-1]), self.compute_dtype)
 
-    def _columns(self, e: jax.Array) -> jax.Array:
-        """A per-leaf value repeated over the leaf's columns, shape ``(1, M)``."""
-        return base.repeat_segments(e, self.cols)[None, :]
+    def _peak_bits(self, x: jax.Array) -> jax.Array:
+        """Per leaf, the magnitude bits (:func:`_magnitude_bits`) of its largest entry, shape ``(L,)``.
+
+        A float ``max |x|`` runs several times faster on CPU than the same
+        reduction over integer bits, and it is exact whenever the largest
+        magnitude is a normal number: a backend that flushes subnormals in
+        comparisons still ranks every normal above them. Only where some
+        leaf's float maximum is zero or subnormal (an all-zero leaf, or one
+        whose entries are all subnormal) are the bits compared instead.
+        """
+        nmant, _, _, _ = _bit_layout(x.dtype)
+        fast = _magnitude_bits(
+            jnp.stack([jnp.max(jnp.abs(x[:, o : o + c])) for o, c in zip(self.offsets, self.cols)])
+        )
+
+        def from_bits(x):
+            return jnp.stack(
+                [jnp.max(_magnitude_bits(x[:, o : o + c])) for o, c in zip(self.offsets, self.cols)]
+            )
+
+        return jax.lax.cond(jnp.all((fast >> nmant) > 0), lambda x: fast, from_bits, x)
 
     def needs_bits(self, exps: jax.Array) -> jax.Array:
         """Whether some leaf's pair peaks so close to the subnormal range that
@@ -134,34 +149,71 @@ class _Layout:
         nmant, bias, _, _ = _bit_layout(self.compute_dtype)
         return jnp.min(jnp.maximum(exps[0], exps[1])) < (1 - bias) + nmant + 2
 
-    def normalized(self, a: jax.Array, b: jax.Array, exps: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` leaf by leaf (``exps`` from :meth:`exponents`), exact.
+    def _ordered(
+        self, mine: jax.Array, other: jax.Array, first: jax.Array, leaf: int | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """The pair ``(a, b)`` (``(mine, other)`` where ``first``, else swapped), in the compute dtype.
 
-        Largest entries in [0.5, 1). Where :meth:`needs_bits`,
-        subnormal inputs are read from their bits (see :func:`_normalize`).
+        Of one leaf's columns, or of all of them with ``leaf=None``. Chosen
+        elementwise, so that XLA fuses the choice into the consumer instead
+        of writing ``a`` and ``b`` out.
+        """
+        if leaf is not None:
+            o, c = self.offsets[leaf], self.cols[leaf]
+            mine, other = mine[:, o : o + c], other[:, o : o + c]
+        a = jnp.where(first, mine, other).astype(self.compute_dtype)
+        b = jnp.where(first, other, mine).astype(self.compute_dtype)
+        return a, b
+
+    def _spread(self, v: jax.Array) -> jax.Array:
+        """Per-leaf values over the leaves' columns, shape ``(1, M)``.
+
+        XLA writes such a row out in full, as long as the buffer; only the
+        rare exact path (:meth:`needs_bits`) uses it, where one expression
+        over the whole buffer compiles much faster than one per leaf.
+        """
+        return base.repeat_segments(v, self.cols)[None, :]
+
+    def _by_precision(self, exact: Any, plain: Any, exps: jax.Array, mine: jax.Array, other: jax.Array):
+        """``exact(mine, other)`` where :meth:`needs_bits`, else ``plain(mine, other)``, in a ``lax.cond``.
+
+        Each branch takes the pair's raw vectors and does its own scaling, so
+        the only arrays written out are the branch's result.
+        """
+        return jax.lax.cond(self.needs_bits(exps), exact, plain, mine, other)
+
+    def dots(self, mine: jax.Array, other: jax.Array, first: jax.Array, exps: jax.Array) -> jax.Array:
+        """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``.
+
+        ``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` (``exps`` from
+        :meth:`exponents`; largest entries in [0.5, 1)), exact; where
+        :meth:`needs_bits`, subnormal inputs are read from their bits (see
+        :func:`_normalize`). See :func:`_three_dots` for the sums.
         """
 
-        def exact(a, b):
-            return _normalize(a, -exps[0], self.cols), _normalize(b, -exps[1], self.cols)
+        def stacked(sums):
+            return jnp.stack([jnp.stack(s) for s in zip(*sums)])
 
-        def plain(a, b):
-            return _times_pow2(a, -exps[0], self.cols), _times_pow2(b, -exps[1], self.cols)
+        def plain(mine, other):
+            sums = []
+            for i in range(len(self.cols)):  # each leaf by its own scalars: nothing is written out
+                a, b = self._ordered(mine, other, first, i)
+                sums.append(_three_dots(_times_pow2(a, -exps[0, i]), _times_pow2(b, -exps[1, i])))
+            return stacked(sums)
 
-        a, b = a.astype(self.compute_dtype), b.astype(self.compute_dtype)
-        return jax.lax.cond(self.needs_bits(exps), exact, plain, a, b)
+        def exact(mine, other):
+            a, b = self._ordered(mine, other, first)
+            a1, b1 = _normalize(a, self._spread(-exps[0])), _normalize(b, self._spread(-exps[1]))
+            return stacked(
+                [_three_dots(a1[:, o : o + c], b1[:, o : o + c]) for o, c in zip(self.offsets, self.cols)]
+            )
 
-    def partial_dots(self, a1: jax.Array, b1: jax.Array) -> jax.Array:
-        """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``,
-        from :meth:`normalized`'s ``a'`` and ``b'``."""
-        # One reduction over the stacked products: the three sums share one
-        # summation order, so equal inputs give a.b == |a|^2 == |b|^2 exactly.
-        prods = jnp.stack([a1 * b1, a1 * a1, b1 * b1])
-        return jnp.stack(
-            [jnp.sum(prods[:, :, o : o + c], axis=(1, 2)) for o, c in zip(self.offsets, self.cols)], axis=1
-        )
+        return self._by_precision(exact, plain, exps, mine, other)
 
-    def combine(self, a1: jax.Array, b1: jax.Array, dots: jax.Array, exps: jax.Array) -> jax.Array:
-        """``A(a, b)`` leaf by leaf, from :meth:`normalized` and :meth:`partial_dots`.
+    def combine(
+        self, mine: jax.Array, other: jax.Array, first: jax.Array, dots: jax.Array, exps: jax.Array
+    ) -> jax.Array:
+        """``A(a, b)`` leaf by leaf, from :meth:`exponents` and :meth:`dots`.
 
         With ``a = a' 2^e_a``, ``b = b' 2^e_b`` and ``m = max(e_a, e_b)``, the
         pair sum is formed at the scale ``2^-m``, where its largest entries
@@ -178,19 +230,67 @@ class _Layout:
         arithmetic, rounding for rounding, as the formula unscaled.
         """
         dot, na, nb = dots[0], dots[1], dots[2]
-        ra = self._columns(_half_ratio(dot, na))
-        rb = self._columns(_half_ratio(dot, nb))
         top = jnp.maximum(exps[0], exps[1])
-        sa = self._columns(_pow2_at_most_one(exps[0] - top, self.compute_dtype))
-        sb = self._columns(_pow2_at_most_one(exps[1] - top, self.compute_dtype))
-        out = (a1 * sa - (ra * a1) * sb) + (b1 * sb - (rb * b1) * sa)
-        out = jax.lax.cond(
-            self.needs_bits(exps),
-            lambda y: _denormalize(y, top, self.cols),
-            lambda y: _times_pow2(y, top, self.cols),
-            out,
+        coefs = [  # per leaf: r_a, r_b, 2^(e_a - m), 2^(e_b - m)
+            _half_ratio(dot, na),
+            _half_ratio(dot, nb),
+            _pow2_at_most_one(exps[0] - top, self.compute_dtype),
+            _pow2_at_most_one(exps[1] - top, self.compute_dtype),
+        ]
+
+        def plain(mine, other):
+            out = jnp.zeros_like(mine)
+            for i, o in enumerate(self.offsets):  # each leaf by its own scalars, written in place
+                a, b = self._ordered(mine, other, first, i)
+                y = _combined(
+                    _times_pow2(a, -exps[0, i]), _times_pow2(b, -exps[1, i]), *(v[i] for v in coefs)
+                )
+                out = jax.lax.dynamic_update_slice_in_dim(
+                    out, _times_pow2(y, top[i]).astype(self.dtype), o, axis=1
+                )
+            return out
+
+        def exact(mine, other):
+            a, b = self._ordered(mine, other, first)
+            a1, b1 = _normalize(a, self._spread(-exps[0])), _normalize(b, self._spread(-exps[1]))
+            y = _combined(a1, b1, *(self._spread(v) for v in coefs))
+            return _denormalize(y, self._spread(top)).astype(self.dtype)
+
+        return self._by_precision(exact, plain, exps, mine, other)
+
+
+def _combined(a1: jax.Array, b1: jax.Array, ra: Any, rb: Any, sa: Any, sb: Any) -> jax.Array:
+    """``A(a, b) 2^-m`` from the normalised pair and the coefficients (see :meth:`_Layout.combine`)."""
+    return (a1 * sa - (ra * a1) * sb) + (b1 * sb - (rb * b1) * sa)
+
+
+_SUM_WIDTH = 32  # entries added in sequence per level of :func:`_three_dots`
+
+
+def _three_dots(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(a.b, a.a, b.b)`` over all entries: reductions with three outputs, a tree of them.
+
+    Each level adds groups of ``_SUM_WIDTH`` along the last axis (zero
+    padded), one reduction for all three sums, until one value is left. The
+    three sums share their order, so equal inputs give equal results exactly,
+    and the error grows with ``log n`` as in XLA's own tree of partial sums.
+    The products are formed inside the first level: on CPU, one sum over
+    stacked products would write the three product arrays out first (about
+    three times slower), and separate sums may be compiled in different orders.
+    """
+    zero = jnp.zeros([], a.dtype)
+
+    def add(x, y):
+        return x[0] + y[0], x[1] + y[1], x[2] + y[2]
+
+    parts = (a * b, a * a, b * b)
+    while parts[0].shape[-1] > _SUM_WIDTH:
+        pad = [(0, 0)] * (parts[0].ndim - 1) + [(0, -parts[0].shape[-1] % _SUM_WIDTH)]
+        grouped = tuple(jnp.pad(x, pad).reshape(*x.shape[:-1], -1, _SUM_WIDTH) for x in parts)
+        parts = tuple(
+            x.reshape(-1) for x in jax.lax.reduce(grouped, (zero,) * 3, add, (grouped[0].ndim - 1,))
         )
-        return out.astype(self.dtype)
+    return jax.lax.reduce(parts, (zero,) * 3, add, tuple(range(parts[0].ndim)))
 
 
 def _settle(exps: jax.Array) -> jax.Array:
@@ -250,14 +350,17 @@ def _subnormal_unit_exponent(dtype: Any) -> int:
     return bias + nmant - 1
 
 
-def _times_pow2(x: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
-    """``x 2^e`` for ``e`` per leaf, by two multiplications: exact where operands and result are normal."""
-    f1, f2 = (base.repeat_segments(f, cols)[None, :] for f in _pow2_pair(e, x.dtype))
+def _times_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
+    """``x 2^e`` (``e`` an integer broadcast against ``x``), by two multiplications.
+
+    Exact where operands and result are normal.
+    """
+    f1, f2 = _pow2_pair(e, x.dtype)
     return x * f1 * f2
 
 
-def _normalize(x: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
-    """``x 2^e`` for ``e`` per leaf (repeated over ``cols``), exact where the result is normal.
+def _normalize(x: jax.Array, e: jax.Array) -> jax.Array:
+    """``x 2^e`` (``e`` an integer broadcast against ``x``), exact where the result is normal.
 
     Subnormal entries of ``x``, which XLA:CPU's arithmetic reads as zero, are
     taken from their bits: a subnormal is its mantissa field times ``2^-s``.
@@ -267,11 +370,11 @@ def _normalize(x: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
     tiny = (bits >> nmant) & ut.type((np.iinfo(ut).max >> 1) >> nmant) == 0
     mag = (bits & ut.type((1 << nmant) - 1)).astype(x.dtype)  # exact: fewer than nmant + 1 bits
     signed = jnp.where(bits >> (ut.itemsize * 8 - 1) == 1, -mag, mag)
-    below = _times_pow2(signed, e - _subnormal_unit_exponent(x.dtype), cols)
-    return jnp.where(tiny, below, _times_pow2(x, e, cols))
+    below = _times_pow2(signed, e - _subnormal_unit_exponent(x.dtype))
+    return jnp.where(tiny, below, _times_pow2(x, e))
 
 
-def _denormalize(y: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
+def _denormalize(y: jax.Array, e: jax.Array) -> jax.Array:
     """``y 2^e`` for ``e`` per leaf, rounded once to nearest even, subnormal results included.
 
     A result below the normal range is built from its bits (XLA:CPU's
@@ -279,11 +382,11 @@ def _denormalize(y: jax.Array, e: jax.Array, cols: Any) -> jax.Array:
     rounded to an integer, a product that is itself exact.
     """
     nmant, _, ut, _ = _bit_layout(y.dtype)
-    units = _times_pow2(jnp.abs(y), e + _subnormal_unit_exponent(y.dtype), cols)
+    units = _times_pow2(jnp.abs(y), e + _subnormal_unit_exponent(y.dtype))
     field = jnp.round(jnp.minimum(units, float(1 << (nmant + 1)))).astype(ut)
     sign = jax.lax.bitcast_convert_type(y, ut) & ut.type(1 << (ut.itemsize * 8 - 1))
     tiny = jax.lax.bitcast_convert_type(field | sign, y.dtype)
-    return jnp.where(units < float(1 << nmant), tiny, _times_pow2(y, e, cols))
+    return jnp.where(units < float(1 << nmant), tiny, _times_pow2(y, e))
 
 
 def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
@@ -316,22 +419,11 @@ def _run_tree(
     idx = comm.axis_index(axis_name, caller="adasum")
     primary = idx < p
 
-    def exps_of(a, b):
-        return [_settle(lay.exponents(x, y)) for lay, x, y in zip(layouts, a, b)]
-
-    def normalized(a, b, exps):
-        return [lay.normalized(x, y, e) for lay, x, y, e in zip(layouts, a, b, exps)]
-
-    def dots_of(ab):
-        return [lay.partial_dots(x, y) for lay, (x, y) in zip(layouts, ab)]
-
-    def combine(ab, dots, exps):
-        return [lay.combine(x, y, d, e) for lay, (x, y), d, e in zip(layouts, ab, dots, exps)]
-
-    def pair(a, b):
-        exps = exps_of(a, b)
-        ab = normalized(a, b, exps)
-        return combine(ab, dots_of(ab), exps)
+    def pair(mine, other, first):
+        """``A(a, b)`` of every layout, ``(a, b) = (mine, other)`` where ``first``, else swapped."""
+        exps = [_settle(lay.exponents(x, y, first)) for lay, x, y in zip(layouts, mine, other)]
+        dots = [lay.dots(x, y, first, e) for lay, x, y, e in zip(layouts, mine, other, exps)]
+        return [lay.combine(x, y, first, d, e) for lay, x, y, d, e in zip(layouts, mine, other, dots, exps)]
 
     # Fold the workers beyond the largest power of two into partners: worker
     # j < r swaps vectors with worker p + j and both compute A(x_j, x_{p+j}).
@@ -339,8 +431,7 @@ def _run_tree(
         fold = [(j, p + j) for j in range(r)] + [(p + j, j) for j in range(r)]
         fold += [(j, j) for j in range(r, p)]
         recv = comm.ppermute(bufs, axis_name, fold, caller="adasum")
-        a, b = _select(primary, bufs, recv), _select(primary, recv, bufs)
-        folded = pair(a, b)
+        folded = pair(bufs, recv, primary)
         bufs = _select((idx < r) | ~primary, folded, bufs)
 
     extras = [(e, e) for e in range(p, n)]
@@ -349,8 +440,7 @@ def _run_tree(
         low = ((idx >> s) & 1) == 0  # this worker holds the first argument of A
         if method == "butterfly":
             recv = comm.ppermute(bufs, axis_name, pairs, caller="adasum")
-            a, b = _select(low, bufs, recv), _select(low, recv, bufs)
-            bufs = pair(a, b)
+            bufs = pair(bufs, recv, low)
         else:
             # Recursive halving: keep the half of the rows this worker owns,
             # send the other half to the partner, and sum the partial dot
@@ -360,7 +450,6 @@ def _run_tree(
             keep = [jax.lax.dynamic_slice_in_dim(x, start, half, axis=0) for x in bufs]
             send = [jax.lax.dynamic_slice_in_dim(x, half - start, half, axis=0) for x in bufs]
             recv = comm.ppermute(send, axis_name, pairs, caller="adasum")
-            a, b = _select(low, keep, recv), _select(low, recv, keep)
             num_groups = p >> (s + 1)
             group = idx >> (s + 1)
             onehot = (jnp.arange(num_groups) == group) & primary
@@ -373,11 +462,13 @@ def _run_tree(
                 return jnp.split(mine, splits, axis=1)
 
             # The scale of each vector is the largest over the rows the group holds.
-            local = jnp.concatenate([lay.exponents(x, y) for lay, x, y in zip(layouts, a, b)], axis=1)
+            local = jnp.concatenate(
+                [lay.exponents(x, y, low) for lay, x, y in zip(layouts, keep, recv)], axis=1
+            )
             exps = [_settle(e) for e in over_group(local, comm.pmax, _NO_EXPONENT)]
-            ab = normalized(a, b, exps)
-            partial = jnp.concatenate(dots_of(ab), axis=1)  # (3, L)
-            bufs = combine(ab, over_group(partial, comm.psum, 0), exps)
+            partial = [lay.dots(x, y, low, e) for lay, x, y, e in zip(layouts, keep, recv, exps)]
+            dots = over_group(jnp.concatenate(partial, axis=1), comm.psum, 0)  # (3, L) each
+            bufs = [lay.combine(x, y, low, d, e) for lay, x, y, d, e in zip(layouts, keep, recv, dots, exps)]
 
     # Every primary worker now holds the result (butterfly: all of it, the
     # same bits on each; halving: the 1/p slice of rows it owns). An
