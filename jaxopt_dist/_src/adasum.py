@@ -174,7 +174,9 @@ class _Layout:
         """
         return base.repeat_segments(v, self.cols)[None, :]
 
-    def _by_precision(self, exact: Any, plain: Any, exps: jax.Array, mine: jax.Array, other: jax.Array):
+    def _by_precision(
+        self, exact: Any, plain: Any, exps: jax.Array, mine: jax.Array, other: jax.Array
+    ) -> jax.Array:
         """``exact(mine, other)`` where :meth:`needs_bits`, else ``plain(mine, other)``, in a ``lax.cond``.
 
         Each branch takes the pair's raw vectors and does its own scaling, so
