@@ -174,6 +174,21 @@ class _Layout:
         """
         return base.repeat_segments(v, self.cols)[None, :]
 
+    def _normalized(
+        self, mine: jax.Array, other: jax.Array, first: jax.Array, exps: jax.Array, leaf: int | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` (``exps`` from :meth:`exponents`), exact.
+
+        Largest entries in [0.5, 1). With a ``leaf``, that leaf's columns
+        scaled by its own scalars (the plain path: XLA fuses all of it into
+        the consumer); with ``leaf=None``, the whole buffer with subnormal
+        inputs read from their bits (the exact path, see :func:`_normalize`).
+        """
+        a, b = self._ordered(mine, other, first, leaf)
+        if leaf is not None:
+            return _times_pow2(a, -exps[0, leaf]), _times_pow2(b, -exps[1, leaf])
+        return _normalize(a, self._spread(-exps[0])), _normalize(b, self._spread(-exps[1]))
+
     def _by_precision(
         self, exact: Any, plain: Any, exps: jax.Array, mine: jax.Array, other: jax.Array
     ) -> jax.Array:
@@ -187,25 +202,20 @@ class _Layout:
     def dots(self, mine: jax.Array, other: jax.Array, first: jax.Array, exps: jax.Array) -> jax.Array:
         """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``.
 
-        ``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` (``exps`` from
-        :meth:`exponents`; largest entries in [0.5, 1)), exact; where
-        :meth:`needs_bits`, subnormal inputs are read from their bits (see
-        :func:`_normalize`). See :func:`_three_dots` for the sums.
+        ``a'`` and ``b'`` as in :meth:`_normalized` (exactly, from the bits,
+        where :meth:`needs_bits`); see :func:`_three_dots` for the sums.
         """
 
         def stacked(sums):
             return jnp.stack([jnp.stack(s) for s in zip(*sums)])
 
-        def plain(mine, other):
-            sums = []
-            for i in range(len(self.cols)):  # each leaf by its own scalars: nothing is written out
-                a, b = self._ordered(mine, other, first, i)
-                sums.append(_three_dots(_times_pow2(a, -exps[0, i]), _times_pow2(b, -exps[1, i])))
-            return stacked(sums)
+        def plain(mine, other):  # each leaf by its own scalars: nothing is written out
+            return stacked(
+                [_three_dots(*self._normalized(mine, other, first, exps, i)) for i in range(len(self.cols))]
+            )
 
         def exact(mine, other):
-            a, b = self._ordered(mine, other, first)
-            a1, b1 = _normalize(a, self._spread(-exps[0])), _normalize(b, self._spread(-exps[1]))
+            a1, b1 = self._normalized(mine, other, first, exps)
             return stacked(
                 [_three_dots(a1[:, o : o + c], b1[:, o : o + c]) for o, c in zip(self.offsets, self.cols)]
             )
@@ -243,19 +253,14 @@ class _Layout:
         def plain(mine, other):
             out = jnp.zeros_like(mine)
             for i, o in enumerate(self.offsets):  # each leaf by its own scalars, written in place
-                a, b = self._ordered(mine, other, first, i)
-                y = _combined(
-                    _times_pow2(a, -exps[0, i]), _times_pow2(b, -exps[1, i]), *(v[i] for v in coefs)
-                )
+                y = _combined(*self._normalized(mine, other, first, exps, i), *(v[i] for v in coefs))
                 out = jax.lax.dynamic_update_slice_in_dim(
                     out, _times_pow2(y, top[i]).astype(self.dtype), o, axis=1
                 )
             return out
 
         def exact(mine, other):
-            a, b = self._ordered(mine, other, first)
-            a1, b1 = _normalize(a, self._spread(-exps[0])), _normalize(b, self._spread(-exps[1]))
-            y = _combined(a1, b1, *(self._spread(v) for v in coefs))
+            y = _combined(*self._normalized(mine, other, first, exps), *(self._spread(v) for v in coefs))
             return _denormalize(y, self._spread(top)).astype(self.dtype)
 
         return self._by_precision(exact, plain, exps, mine, other)
