@@ -12,6 +12,7 @@ past every row's first synchronisation.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -62,6 +63,9 @@ def test_two_process_smoke(tmp_path):
         cost = jd.communication_cost(optax.chain(make(), jd.sgd(0.1, momentum=0.9)), params, axis_size=2)
         assert res["methods"][name]["sent_bytes"] == pytest.approx(cost.sent_bytes)
         assert compute["methods"][name]["sent_bytes"] == 0  # one worker sends nothing
+    if hasattr(os, "sched_getaffinity"):  # --pin cores (the default): worker 0 on the first usable CPU
+        assert res["cpus"] == compute["cpus"] == [min(os.sched_getaffinity(0))]
+        assert "pinned to CPU" in saved["note"]
     cal = res["link"]["unshaped"]
     assert cal["allreduce_4B_s"] > 0 and cal["allreduce_probe_s"] > 0
     # The table: one row per method under the unshaped heading, dense first.
@@ -170,3 +174,27 @@ def test_workers_get_the_huge_page_malloc_tunable(monkeypatch):
         "GLIBC_TUNABLES" in bn._malloc_note("hugepages")
         and bn._malloc_note("default") == "default environment"
     )
+
+
+def test_workers_are_pinned_one_per_cpu():
+    """``--pin cores`` (the default) gives worker ``i`` the ``i``-th usable CPU
+    (modulo their number); ``--pin none`` and cluster runs pin nothing."""
+    bn = _bench_module()
+    assert bn.parse_args([]).pin == "cores"
+    if not hasattr(os, "sched_getaffinity"):
+        assert bn._cpu_for("cores", 0) is None
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def cpu_arg(argv):
+        return int(argv[argv.index("--cpu") + 1]) if "--cpu" in argv else None
+
+    args = bn.parse_args(["--procs", "3"])
+    args.methods = ["dense"]
+    got = [cpu_arg(bn._worker_argv(args, "jax", 3, i, "h:1", "out")) for i in range(3)]
+    assert got == [cpus[i % len(cpus)] for i in range(3)]
+    args.pin = "none"
+    assert cpu_arg(bn._worker_argv(args, "jax", 3, 0, "h:1", "out")) is None
+    assert bn._pin_note("none", 2) == "workers not pinned"
+    assert "pinned to CPU" in bn._pin_note("cores", 2)
+    assert "some sharing a CPU" in bn._pin_note("cores", len(cpus) + 1)
