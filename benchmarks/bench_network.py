@@ -36,9 +36,9 @@ on a core of its own, as it would on a host of its own, and every thread
 pool sizes itself to that core; the compute-only processes are pinned the
 same way. Unpinned (``--pin none``) the kernel moves every worker's threads
 over every core: a worker's multi-threaded kernels then run on the core the
-other worker is computing on, and a small-message step takes up to about
-1.5x its compute time with no link at all (PowerSGD rank 1, 2 processes,
-unshaped: 71 ms against 46 ms pinned). A worker waiting in a collective
+other worker is computing on, and a small-message step took 1.5x as long
+as pinned with no link at all (PowerSGD rank 1, 2 processes, unshaped
+loopback: 71 ms against 46 ms). A worker waiting in a collective
 gets no core to spare either way. Cluster runs (``--coordinator``) are not
 pinned.
 
