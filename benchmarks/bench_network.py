@@ -38,8 +38,7 @@ same way. Unpinned (``--pin none``) the kernel moves every worker's threads
 over every core: a worker's multi-threaded kernels then run on the core the
 other worker is computing on, and a small-message step took 1.5x as long
 as pinned with no link at all (PowerSGD rank 1, 2 processes, unshaped
-loopback: 71 ms against 46 ms). A worker waiting in a collective
-gets no core to spare either way. Cluster runs (``--coordinator``) are not
+loopback: 71 ms against 46 ms). Cluster runs (``--coordinator``) are not
 pinned.
 
 Columns, per rate:
