@@ -366,7 +366,7 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
         "params": int(sum(math.prod(s) for s in shapes.values())),
         "link": link,
         "width": args.width,
-        "cpus": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpus": _usable_cpus(),
         "methods": results,
     }
     if distributed:
@@ -548,15 +548,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _usable_cpus() -> list[int] | None:
+    """The CPUs this process may run on, or None where the platform cannot say."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def _cpu_for(pin: str, worker: int) -> int | None:
     """The CPU that worker number ``worker`` is pinned to under ``--pin``, or None."""
-    if pin != "cores" or not hasattr(os, "sched_getaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    return cpus[worker % len(cpus)]
+    cpus = _usable_cpus()
+    return None if pin != "cores" or cpus is None else cpus[worker % len(cpus)]
 
 
 def _pin_note(pin: str, procs: int) -> str:
+    """The table's note on where the ``procs`` workers ran."""
     cpus = [_cpu_for(pin, i) for i in range(procs)]
     if cpus[0] is None:
         return "workers not pinned" + ("" if pin == "none" else " (no sched_setaffinity here)")

@@ -178,7 +178,7 @@ def test_workers_get_the_huge_page_malloc_tunable(monkeypatch):
 
 def test_workers_are_pinned_one_per_cpu():
     """``--pin cores`` (the default) gives worker ``i`` the ``i``-th usable CPU
-    (modulo their number); ``--pin none`` and cluster runs pin nothing."""
+    (modulo their number); ``--pin none`` pins nothing."""
     bn = _bench_module()
     assert bn.parse_args([]).pin == "cores"
     if not hasattr(os, "sched_getaffinity"):
