@@ -23,11 +23,18 @@ and runs unshaped.
 Memory allocator (``--malloc``). XLA:CPU allocates a step's temporaries
 afresh at each call, and glibc returns large blocks to the kernel on free, so
 every step pays a page fault per 4 kB of its temporaries (on this machine's
-VM about 2.7 us each: 25 ms for one 38 MB buffer). By default every worker,
-JAX and PyTorch alike, runs with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
-(glibc >= 2.35: transparent huge pages for large allocations, where the
-kernel's THP mode is ``madvise`` or ``always``); ``--malloc default`` keeps
-the environment as it is. On a cluster (``--coordinator``) set it yourself.
+VM about 2.7 us each: 25 ms for one 38 MB buffer). By default (``auto``)
+every worker, JAX and PyTorch alike, runs with tcmalloc preloaded
+(``LD_PRELOAD``, where ``ctypes.util.find_library`` finds
+``tcmalloc_minimal`` or ``tcmalloc``: Debian's ``libtcmalloc-minimal4``),
+which keeps freed blocks for the next step, so a step faults nothing in;
+where there is no tcmalloc, with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+(glibc >= 2.35: transparent huge pages for large allocations, a fault per
+2 MB, where the kernel's THP mode is ``madvise`` or ``always``). ``--malloc
+tcmalloc`` / ``hugepages`` ask for one of them (tcmalloc missing is an
+error), ``--malloc default`` keeps the environment as it is. Each worker
+reports the allocator mapped into it, and the table's note names it. On a
+cluster (``--coordinator``) set it yourself.
 
 CPU pinning (``--pin``). On one machine the workers share its cores. By
 default (``--pin cores``) worker ``i`` is pinned to the ``i``-th CPU it may run
@@ -95,6 +102,7 @@ once per host, with the first host's address::
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import math
 import os
@@ -367,6 +375,7 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
         "link": link,
         "width": args.width,
         "cpus": _usable_cpus(),
+        "malloc": _mapped_malloc(),
         "methods": results,
     }
     if distributed:
@@ -505,7 +514,7 @@ def run_torch_worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.shape and me == 0:
         set_rate("unshaped")
     dist.destroy_process_group()
-    return {"procs": n, "torch": torch.__version__, "methods": results}
+    return {"procs": n, "torch": torch.__version__, "malloc": _mapped_malloc(), "methods": results}
 
 
 def _resnet18_shapes_nojax(width: int) -> list[tuple[int, ...]]:
@@ -530,8 +539,36 @@ def _resnet18_shapes_nojax(width: int) -> list[tuple[int, ...]]:
 MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"  # --malloc hugepages (module docstring)
 
 
+def _tcmalloc() -> str | None:
+    """The tcmalloc library to preload (a name the dynamic linker finds), or None."""
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
+def _resolve_malloc(malloc: str) -> str:
+    """``--malloc auto`` made concrete: tcmalloc where installed, else huge pages."""
+    if malloc == "auto":
+        return "tcmalloc" if _tcmalloc() else "hugepages"
+    if malloc == "tcmalloc" and not _tcmalloc():
+        raise SystemExit(
+            "--malloc tcmalloc: no tcmalloc library found (Debian/Ubuntu: apt-get install "
+            "libtcmalloc-minimal4); --malloc hugepages needs nothing installed"
+        )
+    return malloc
+
+
+def _mapped_malloc() -> str:
+    """The allocator mapped into this process: tcmalloc, jemalloc or glibc (Linux; else unknown)."""
+    try:
+        maps = pathlib.Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return next((name for name in ("tcmalloc", "jemalloc") if name in maps), "glibc")
+
+
 def _malloc_note(malloc: str) -> str:
-    """What ``--malloc`` gave the workers, with the kernel's transparent-huge-page mode."""
+    """What ``--malloc`` (resolved) gave the workers, with the kernel's transparent-huge-page mode."""
+    if malloc == "tcmalloc":
+        return f"tcmalloc preloaded ({_tcmalloc()})"
     if malloc != "hugepages":
         return "default environment"
     try:
@@ -574,6 +611,8 @@ def _child_env(malloc: str) -> dict[str, str]:
     if malloc == "hugepages":  # the same for both libraries' workers (module docstring)
         tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
         env["GLIBC_TUNABLES"] = ":".join([*tunables, MALLOC_TUNABLE])
+    elif malloc == "tcmalloc":
+        env["LD_PRELOAD"] = " ".join(p for p in (_tcmalloc(), env.get("LD_PRELOAD")) if p)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
 
@@ -671,7 +710,10 @@ def launch_group(args: argparse.Namespace, kind: str, procs: int, timeout: float
             raise SystemExit(f"{kind} workers failed (exit {r.returncode}):\n{r.stdout}\n{r.stderr}")
         if args.verbose:
             print(r.stderr, file=sys.stderr)
-        return json.loads(pathlib.Path(out).read_text())
+        res = json.loads(pathlib.Path(out).read_text())
+        if args.malloc == "tcmalloc" and res["malloc"] != "tcmalloc":
+            raise SystemExit(f"{kind} workers: tcmalloc was preloaded but {res['malloc']} is mapped")
+        return res
 
 
 def run_compute_group(args: argparse.Namespace) -> dict[str, Any]:
@@ -826,10 +868,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--malloc",
-        choices=("hugepages", "default"),
-        default="hugepages",
-        help="hugepages (default): every worker (JAX and torch) runs with GLIBC_TUNABLES="
-        f"{MALLOC_TUNABLE}, transparent huge pages for large allocations; default: the environment as is",
+        choices=("auto", "tcmalloc", "hugepages", "default"),
+        default="auto",
+        help="auto (default): tcmalloc where installed, else hugepages; tcmalloc: every worker (JAX and "
+        f"torch) runs with tcmalloc preloaded; hugepages: with GLIBC_TUNABLES={MALLOC_TUNABLE}, "
+        "transparent huge pages for large allocations; default: the environment as is",
     )
     p.add_argument(
         "--pin",
@@ -934,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {note}", file=sys.stderr)
     else:
         note = f"loopback shaped in a fresh network namespace: tc {TC_SHAPE.format(rate='R')}"
+    args.malloc = _resolve_malloc(args.malloc)
     note += f"; malloc: {_malloc_note(args.malloc)}; {_pin_note(args.pin, args.procs)}"
     if not args.shape:
         args.rates = ["unshaped"]
@@ -1134,6 +1178,7 @@ def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
         "set": args.e2e_set,
         "batch": args.e2e_batch,
         "eval_every": args.e2e_eval_every,
+        "malloc": _mapped_malloc(),
         "methods": results,
     }
 

@@ -63,6 +63,11 @@ def test_two_process_smoke(tmp_path):
         cost = jd.communication_cost(optax.chain(make(), jd.sgd(0.1, momentum=0.9)), params, axis_size=2)
         assert res["methods"][name]["sent_bytes"] == pytest.approx(cost.sent_bytes)
         assert compute["methods"][name]["sent_bytes"] == 0  # one worker sends nothing
+    # --malloc auto (the default): tcmalloc where installed, else glibc with huge pages.
+    expected = "tcmalloc" if _bench_module()._tcmalloc() else "glibc"
+    if os.path.exists("/proc/self/maps"):
+        assert res["malloc"] == compute["malloc"] == expected
+    assert ("tcmalloc preloaded" in saved["note"]) == (expected == "tcmalloc")
     if hasattr(os, "sched_getaffinity"):  # --pin cores (the default): worker 0 on the first usable CPU
         assert res["cpus"] == compute["cpus"] == [min(os.sched_getaffinity(0))]
         assert "pinned to CPU" in saved["note"]
@@ -159,12 +164,14 @@ def test_e2e_lowcomm_rows_build():
         assert jd.communication_cost(make(), params, axis_size=2).sent_bytes > 0, name
 
 
-def test_workers_get_the_huge_page_malloc_tunable(monkeypatch):
-    """``--malloc hugepages`` (the default) adds glibc's tunable to the workers'
-    environment, keeping tunables already set; ``--malloc default`` adds nothing."""
+def test_workers_get_the_malloc_asked_for(monkeypatch):
+    """``--malloc auto`` (the default) is tcmalloc where installed, else huge pages;
+    ``tcmalloc`` preloads it (and fails clearly where it is missing); ``hugepages``
+    adds glibc's tunable, keeping tunables already set; ``default`` adds nothing."""
     bn = _bench_module()
-    assert bn.parse_args([]).malloc == "hugepages"
+    assert bn.parse_args([]).malloc == "auto"
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert bn._child_env("hugepages")["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     assert "GLIBC_TUNABLES" not in bn._child_env("default")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
@@ -174,6 +181,20 @@ def test_workers_get_the_huge_page_malloc_tunable(monkeypatch):
         "GLIBC_TUNABLES" in bn._malloc_note("hugepages")
         and bn._malloc_note("default") == "default environment"
     )
+    monkeypatch.setattr(bn, "_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    assert bn._resolve_malloc("auto") == "tcmalloc"
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    env = bn._child_env("tcmalloc")
+    assert (
+        env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4 libother.so" and "hugetlb" not in env["GLIBC_TUNABLES"]
+    )
+    assert bn._child_env("hugepages")["LD_PRELOAD"] == "libother.so"  # the environment's own, untouched
+    assert "tcmalloc preloaded" in bn._malloc_note("tcmalloc")
+    monkeypatch.setattr(bn, "_tcmalloc", lambda: None)
+    assert bn._resolve_malloc("auto") == "hugepages"
+    assert bn._resolve_malloc("default") == "default"
+    with pytest.raises(SystemExit, match="libtcmalloc-minimal4"):
+        bn._resolve_malloc("tcmalloc")
 
 
 def test_workers_are_pinned_one_per_cpu():
