@@ -112,7 +112,7 @@ def _select(keys: jax.Array, k: int) -> jax.Array:
     above, equal = _pack(keys > v), _pack(keys == v)
     eq_counts = _bit_counts(equal)
     need = k - jnp.sum(_bit_counts(above))
-    eq_before = jnp.cumsum(eq_counts) - eq_counts
+    eq_before = _running(jnp.add, eq_counts) - eq_counts
     take = above | _lowest_bits(equal, jnp.clip(need - eq_before, 0, _LANES))
     return _positions(take, k)
 
@@ -135,6 +135,15 @@ def _pack(mask: jax.Array) -> jax.Array:
     rows = jnp.pad(mask, (0, words * _LANES - mask.shape[0])).reshape(words, _LANES).astype(jnp.uint32)
     # Shifted 0/1 lanes summed: twice as fast on CPU as selecting the lane bits.
     return jnp.sum(rows << jnp.arange(_LANES, dtype=jnp.uint32)[None, :], axis=1, dtype=jnp.uint32)
+
+
+def _running(op, x: jax.Array) -> jax.Array:
+    """Inclusive running ``op`` (add or maximum) over a flat integer array.
+
+    A log-depth scan: ``jnp.cumsum`` and ``lax.cummax`` lower to windowed
+    reductions that XLA:CPU runs 2.5-4x slower on 24k-74k entries (one core).
+    """
+    return jax.lax.associative_scan(op, x)
 
 
 def _bit_counts(words: jax.Array) -> jax.Array:
@@ -169,9 +178,9 @@ def _positions(words: jax.Array, size: int) -> jax.Array:
     indices that mean nothing.
     """
     counts = _bit_counts(words)
-    starts = jnp.cumsum(counts) - counts
+    starts = _running(jnp.add, counts) - counts
     at = jnp.where(counts > 0, starts, size)  # distinct where kept; the rest dropped
     first = jnp.zeros((size,), jnp.int32).at[at].set(jnp.arange(words.shape[0], dtype=jnp.int32), mode="drop")
-    w = jax.lax.cummax(first)
+    w = _running(jnp.maximum, first)
     bit = _nth_bit(words[w], jnp.arange(size, dtype=jnp.int32) - starts[w])
     return w * _LANES + bit
