@@ -69,6 +69,16 @@ def test_top_indices_match_reference(d, k, kind):
     np.testing.assert_array_equal(run(make(d, kind), k), np_top(make(d, kind), k))
 
 
+@pytest.mark.parametrize("n", [1, 37, sel._SCAN_MIN - 1, sel._SCAN_MIN, 3 * sel._SCAN_MIN + 5])
+def test_running_sum_and_max_match_numpy(n):
+    """Both sides of the length where the running reductions become log-depth scans."""
+    x = np.random.default_rng(n).integers(-50, 50, n).astype(np.int32)
+    got_sum = jax.jit(lambda v: sel._running(jnp.add, v))(x)
+    got_max = jax.jit(lambda v: sel._running(jnp.maximum, v))(x)
+    np.testing.assert_array_equal(got_sum, np.cumsum(x))
+    np.testing.assert_array_equal(got_max, np.maximum.accumulate(x))
+
+
 def test_sampled_path_is_planned_for_large_leaves():
     assert sel._sample_plan(70001, 701) is not None
     assert sel._sample_plan(200000, 2000) is not None

@@ -38,6 +38,7 @@ _LANES = 32  # entries per bit word
 _STRIDE = 61  # sample stride of the threshold (odd and prime: it does not follow a leaf's rows)
 _SAMPLED_MIN = 1 << 16  # smaller leaves are not sampled
 _HEAP_SHARE = 8  # lax.top_k where k <= d / _HEAP_SHARE (its heap stays small)
+_SCAN_MIN = 1 << 12  # running sums and maxima from this length up as log-depth scans
 
 
 def magnitude_keys(x: jax.Array) -> jax.Array:
@@ -140,9 +141,13 @@ def _pack(mask: jax.Array) -> jax.Array:
 def _running(op, x: jax.Array) -> jax.Array:
     """Inclusive running ``op`` (add or maximum) over a flat integer array.
 
-    A log-depth scan: ``jnp.cumsum`` and ``lax.cummax`` lower to windowed
-    reductions that XLA:CPU runs 2.5-4x slower on 24k-74k entries (one core).
+    From ``_SCAN_MIN`` entries up a log-depth scan: ``jnp.cumsum`` and
+    ``lax.cummax`` lower to windowed reductions that XLA:CPU runs 2.5-4x
+    slower on 24k-74k entries (one core). Below it the windowed reduction,
+    which compiles faster and costs next to nothing there.
     """
+    if x.shape[0] < _SCAN_MIN:
+        return jnp.cumsum(x) if op is jnp.add else jax.lax.cummax(x)
     return jax.lax.associative_scan(op, x)
 
 
