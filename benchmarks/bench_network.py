@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes.util
+import functools
 import json
 import math
 import os
@@ -539,6 +540,7 @@ def _resnet18_shapes_nojax(width: int) -> list[tuple[int, ...]]:
 MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"  # --malloc hugepages (module docstring)
 
 
+@functools.cache  # find_library runs ldconfig; the launcher asks once per group of workers
 def _tcmalloc() -> str | None:
     """The tcmalloc library to preload (a name the dynamic linker finds), or None."""
     return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
