@@ -108,6 +108,7 @@ import json
 import math
 import os
 import pathlib
+import platform
 import shutil
 import signal
 import socket
@@ -144,8 +145,8 @@ def methods(jd: Any, jnp: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
     scale. A new method (or option) is a new row here.
     """
     return {
-        "dense": ("all_reduce (per leaf)", lambda: jd.all_reduce()),
-        "dense_flat": ("all_reduce(flatten=True)", lambda: jd.all_reduce(flatten=True)),
+        "dense": ("all_reduce() (one buffer on CPU)", lambda: jd.all_reduce()),
+        "dense_per_leaf": ("all_reduce(flatten=False)", lambda: jd.all_reduce(flatten=False)),
         "bf16": ("all_reduce(dtype=bfloat16)", lambda: jd.all_reduce(dtype=jnp.bfloat16)),
         "top_k": ("top_k(density=0.01) + EF", lambda: jd.top_k(density=0.01)),
         "random_k": ("random_k(density=0.01) + EF", lambda: jd.random_k(density=0.01)),
@@ -592,6 +593,17 @@ def _usable_cpus() -> list[int] | None:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
+def _cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``), for the table's note: compute differs by machine."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def _cpu_for(pin: str, worker: int) -> int | None:
     """The CPU that worker number ``worker`` is pinned to under ``--pin``, or None."""
     cpus = _usable_cpus()
@@ -980,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         note = f"loopback shaped in a fresh network namespace: tc {TC_SHAPE.format(rate='R')}"
     args.malloc = _resolve_malloc(args.malloc)
-    note += f"; malloc: {_malloc_note(args.malloc)}; {_pin_note(args.pin, args.procs)}"
+    note += f"; malloc: {_malloc_note(args.malloc)}; {_pin_note(args.pin, args.procs)}; CPU: {_cpu_model()}"
     if not args.shape:
         args.rates = ["unshaped"]
     if args.e2e:

@@ -304,7 +304,16 @@ def test_several_axes_and_permutes():
     tx = optax.chain(jd.all_reduce(axis_name="local"), jd.all_reduce(axis_name="node"))
     cost = communication_cost(tx, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local"))
     assert cost.axis_size == 8
-    assert sorted(c.group_size for c in cost.steps[0].collectives) == [2] * 3 + [4] * 3
+    # On CPU the leaves travel as one buffer per axis (flatten=None); per leaf, three calls each.
+    assert sorted(c.group_size for c in cost.steps[0].collectives) == [2, 4]
+    per_leaf = optax.chain(
+        jd.all_reduce(axis_name="local", flatten=False), jd.all_reduce(axis_name="node", flatten=False)
+    )
+    cost_pl = communication_cost(
+        per_leaf, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local")
+    )
+    assert sorted(c.group_size for c in cost_pl.steps[0].collectives) == [2] * 3 + [4] * 3
+    assert cost_pl.sent_bytes == pytest.approx(cost.sent_bytes)
     assert cost.sent_bytes == pytest.approx((2 * 3 / 4 + 2 * 1 / 2) * 4 * D)
     # A ring shift: every worker sends and receives its payload once.
     from jaxopt_dist._src import comm
@@ -406,7 +415,7 @@ def test_step_time_is_a_float_in_seconds():
 def test_project_step_time_algorithms():
     beta, alpha = 1e9, 1e-5  # bytes/s, s (8 Gbit/s, 10 us)
     link = dict(bandwidth_gbps=8.0, latency_us=10.0)
-    per_leaf = communication_cost(jd.all_reduce(), PARAMS, axis_size=N)  # 3 psums, one per leaf
+    per_leaf = communication_cost(jd.all_reduce(flatten=False), PARAMS, axis_size=N)  # 3 psums, one per leaf
     ring = project_step_time(per_leaf, **link)
     assert project_step_time(per_leaf, algorithm="ring", **link) == ring  # the default
     assert ring.seconds == pytest.approx(3 * 2 * (N - 1) * alpha + RING * 4 * D / beta)
@@ -419,7 +428,7 @@ def test_project_step_time_algorithms():
         (RING * 4 * 74, 3 * 2 * (N - 1))
     )
     # ... and 16-bit floats travel as float32 (XLA:CPU widens them in every collective).
-    native = jd.all_reduce(dtype=jnp.bfloat16, bitcast_ring=False)  # the 16-bit ring avoids the widening
+    native = jd.all_reduce(dtype=jnp.bfloat16, bitcast_ring=False, flatten=False)  # no 16-bit ring: widened
     bf16 = communication_cost(native, PARAMS, axis_size=N)
     assert bf16.sent_bytes == pytest.approx(RING * 2 * D)
     assert project_step_time(bf16, algorithm="gloo", **link).seconds == pytest.approx(ring.seconds)

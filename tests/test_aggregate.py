@@ -123,7 +123,7 @@ def test_flatten_issues_exactly_one_collective():
 
 
 def test_per_leaf_reduction_sends_each_leaf():
-    text = _hlo_for(jd.all_reduce(), 8)
+    text = _hlo_for(jd.all_reduce(flatten=False), 8)
     counts = helpers.count_collectives(text)
     assert set(counts) == {"all-reduce"}
     lines = [ln for ln in text.splitlines() if " all-reduce(" in ln or " all-reduce-start(" in ln]
@@ -133,12 +133,27 @@ def test_per_leaf_reduction_sends_each_leaf():
         assert shape in joined
 
 
+def test_default_packs_leaves_on_cpu_only(monkeypatch):
+    """flatten=None: one buffer where the default backend is CPU, per leaf elsewhere."""
+    from jaxopt_dist._src import comm
+
+    def operands():
+        text = _hlo_for(jd.all_reduce(), 8)
+        lines = [ln for ln in text.splitlines() if " all-reduce(" in ln or " all-reduce-start(" in ln]
+        return " ".join(lines)
+
+    assert jax.default_backend() == "cpu" and comm.flatten_by_default()
+    assert "f32[18]" in operands() and "f32[4,3]" not in operands()
+    monkeypatch.setattr(comm, "flatten_by_default", lambda: False)
+    assert "f32[4,3]" in operands() and "f32[18]" not in operands()
+
+
 def test_all_reduce_bad_inputs():
     with pytest.raises(ValueError, match=r"`reduction` must be 'mean' or 'sum'"):
         jd.all_reduce(reduction="max")
     with pytest.raises(TypeError, match=r"`dtype` must be a floating dtype"):
         jd.all_reduce(dtype=jnp.int8)
-    with pytest.raises(TypeError, match=r"`flatten` must be a bool"):
+    with pytest.raises(TypeError, match=r"`flatten` must be None or a bool"):
         jd.all_reduce(flatten=1)
     with pytest.raises(ValueError, match=r"only applies to reduction='mean'"):
         jd.all_reduce(reduction="sum", divide_before=True)

@@ -71,6 +71,7 @@ def test_two_process_smoke(tmp_path):
     if hasattr(os, "sched_getaffinity"):  # --pin cores (the default): worker 0 on the first usable CPU
         assert res["cpus"] == compute["cpus"] == [min(os.sched_getaffinity(0))]
         assert "pinned to CPU" in saved["note"]
+    assert f"CPU: {_bench_module()._cpu_model()}" in saved["note"]
     cal = res["link"]["unshaped"]
     assert cal["allreduce_4B_s"] > 0 and cal["allreduce_probe_s"] > 0
     # The table: one row per method under the unshaped heading, dense first.
