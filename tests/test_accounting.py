@@ -304,16 +304,16 @@ def test_several_axes_and_permutes():
     tx = optax.chain(jd.all_reduce(axis_name="local"), jd.all_reduce(axis_name="node"))
     cost = communication_cost(tx, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local"))
     assert cost.axis_size == 8
-    # On CPU the leaves travel as one buffer per axis (flatten=None); per leaf, three calls each.
-    assert sorted(c.group_size for c in cost.steps[0].collectives) == [2, 4]
-    per_leaf = optax.chain(
-        jd.all_reduce(axis_name="local", flatten=False), jd.all_reduce(axis_name="node", flatten=False)
+    assert sorted(c.group_size for c in cost.steps[0].collectives) == [2] * 3 + [4] * 3
+    # Packed (flatten=True, the default on CPU across processes): one call per axis, same bytes.
+    packed = optax.chain(
+        jd.all_reduce(axis_name="local", flatten=True), jd.all_reduce(axis_name="node", flatten=True)
     )
-    cost_pl = communication_cost(
-        per_leaf, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local")
+    cost_p = communication_cost(
+        packed, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local")
     )
-    assert sorted(c.group_size for c in cost_pl.steps[0].collectives) == [2] * 3 + [4] * 3
-    assert cost_pl.sent_bytes == pytest.approx(cost.sent_bytes)
+    assert sorted(c.group_size for c in cost_p.steps[0].collectives) == [2, 4]
+    assert cost_p.sent_bytes == pytest.approx(cost.sent_bytes)
     assert cost.sent_bytes == pytest.approx((2 * 3 / 4 + 2 * 1 / 2) * 4 * D)
     # A ring shift: every worker sends and receives its payload once.
     from jaxopt_dist._src import comm

@@ -133,8 +133,8 @@ def test_per_leaf_reduction_sends_each_leaf():
         assert shape in joined
 
 
-def test_default_packs_leaves_on_cpu_only(monkeypatch):
-    """flatten=None: one buffer where the default backend is CPU, per leaf elsewhere."""
+def test_default_packs_leaves_on_cpu_across_processes_only(monkeypatch):
+    """flatten=None: one buffer on CPU when there are several processes, per leaf otherwise."""
     from jaxopt_dist._src import comm
 
     def operands():
@@ -142,10 +142,13 @@ def test_default_packs_leaves_on_cpu_only(monkeypatch):
         lines = [ln for ln in text.splitlines() if " all-reduce(" in ln or " all-reduce-start(" in ln]
         return " ".join(lines)
 
-    assert jax.default_backend() == "cpu" and comm.flatten_by_default()
-    assert "f32[18]" in operands() and "f32[4,3]" not in operands()
-    monkeypatch.setattr(comm, "flatten_by_default", lambda: False)
+    assert jax.default_backend() == "cpu" and jax.process_count() == 1 and not comm.flatten_by_default()
     assert "f32[4,3]" in operands() and "f32[18]" not in operands()
+    monkeypatch.setattr(jax, "process_count", lambda *a: 2)
+    assert comm.flatten_by_default()
+    assert "f32[18]" in operands() and "f32[4,3]" not in operands()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not comm.flatten_by_default()
 
 
 def test_all_reduce_bad_inputs():

@@ -56,10 +56,11 @@ def all_reduce(
         each leaf's dtype.
       flatten: pack every leaf into one buffer (one per dtype) so that a step
         issues a single all-reduce, as SINGA's fused all-reduce and DDP's
-        buckets do. None (default) packs when the default backend is CPU,
-        whose collectives send every leaf as a call of its own (over gloo,
-        62 leaves took 1.16x the time of one buffer at 1 Gbit/s), and
-        reduces per leaf on GPU and TPU, whose compilers combine them.
+        buckets do. None (default) packs on CPU across processes, where gloo
+        sends every leaf as a call of its own (62 leaves took 1.16x the time
+        of one buffer at 1 Gbit/s), and reduces per leaf elsewhere: GPU and
+        TPU compilers combine the leaves themselves, and one process's
+        devices sum in memory.
       divide_before: divide by the denominator before the sum, in the wire
         dtype, to keep float16 sums from overflowing; the default divides after
         the sum in the input dtype (more accurate).
@@ -89,7 +90,7 @@ def all_reduce(
 
     Communication:
       One all-reduce per leaf, or per dtype when flattened (the default on
-      CPU), each worker
+      CPU across processes), each worker
       sending and receiving the updates' size in the wire dtype (about
       ``2 (n-1)/n`` times that for a ring all-reduce). Outputs are replicated.
       No state. Leaves that arrive already reduced (typed invariant under

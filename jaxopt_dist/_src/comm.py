@@ -182,9 +182,9 @@ def reduce(
       denominator: divides by this instead of the number of workers
         (``"mean"`` only). A scalar, possibly traced.
       flatten: pack all leaves into one buffer per wire dtype, so the step
-        issues a single all-reduce. None (default) does so when the default
-        backend is CPU (see :func:`flatten_by_default`); elsewhere one
-        all-reduce per leaf, which XLA's GPU and TPU compilers combine.
+        issues a single all-reduce. None (default) does so on CPU across
+        processes (see :func:`flatten_by_default`); elsewhere one all-reduce
+        per leaf, which XLA's GPU and TPU compilers combine.
       invariant_updates: what a leaf already reduced over the whole axis
         (typed invariant under ``shard_map(check_vma=True)``) stands for:
         ``"sum"`` or ``"mean"`` over the workers; it is not communicated again.
@@ -288,15 +288,18 @@ def _by_dtype(leaves: Sequence[jax.Array], op: Any) -> list[jax.Array]:
 def flatten_by_default() -> bool:
     """Whether :func:`reduce` packs the leaves into one buffer when not told.
 
-    True when the default backend is CPU. XLA's GPU and TPU compilers
-    combine a step's all-reduces into large buffers by themselves. XLA:CPU
-    merges them into one all-reduce of many operands but sends each operand
-    as a collective call of its own, and over gloo the calls cost more than
-    their bytes: ResNet-18's 62 leaves took 0.83 s per update between two
-    processes at 1 Gbit/s, against 0.72 s as one buffer
-    (``benchmarks/bench_network.py``).
+    True on CPU across processes (the default backend is CPU and
+    ``jax.process_count() > 1``). XLA's GPU and TPU compilers combine a
+    step's all-reduces into large buffers by themselves. XLA:CPU merges them
+    into one all-reduce of many operands but sends each operand over gloo as
+    a call of its own, and the calls cost more than their bytes: ResNet-18's
+    62 leaves took 0.83 s per update between two processes at 1 Gbit/s,
+    against 0.72 s as one buffer (``benchmarks/bench_network.py``). Devices
+    of one process (simulated ones included) sum in memory, where packing
+    gains nothing and XLA:CPU's multi-threaded concatenation can cost more
+    than the reduction (a 5.3M-entry MLP: 0.87 s per step against 0.13 s).
     """
-    return jax.default_backend() == "cpu"
+    return jax.default_backend() == "cpu" and jax.process_count() > 1
 
 
 def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
