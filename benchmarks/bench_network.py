@@ -145,7 +145,7 @@ def methods(jd: Any, jnp: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
     scale. A new method (or option) is a new row here.
     """
     return {
-        "dense": ("all_reduce() (one buffer on CPU)", lambda: jd.all_reduce()),
+        "dense": ("all_reduce() (packed across processes on CPU)", lambda: jd.all_reduce()),
         "dense_per_leaf": ("all_reduce(flatten=False)", lambda: jd.all_reduce(flatten=False)),
         "bf16": ("all_reduce(dtype=bfloat16)", lambda: jd.all_reduce(dtype=jnp.bfloat16)),
         "top_k": ("top_k(density=0.01) + EF", lambda: jd.top_k(density=0.01)),
