@@ -117,6 +117,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest.mock
 from collections.abc import Callable
 from typing import Any
 
@@ -407,7 +408,10 @@ def _link_model(link: dict[str, dict[str, float]], rate: str, n: int) -> tuple[f
 def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[str, float]]:
     """``project_step_time`` (communication seconds) per method and rate, traced here.
 
-    Imports JAX in this (the launching) process, after the timed runs.
+    Imports JAX in this (the launching) process, after the timed runs. The
+    programs are traced as the workers traced them: with ``res["procs"]``
+    processes, where ``all_reduce()`` packs its leaves on CPU
+    (``flatten_by_default``), which this one process would not do.
     """
     _configure_jax(1)
     import jax
@@ -421,7 +425,8 @@ def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[
     out: dict[str, dict[str, float]] = {}
     for name in res["methods"]:
         tx = optax.chain(table[name][1](), jd.sgd(LR, momentum=MOMENTUM))
-        cost = jd.communication_cost(tx, params, axis_size=n)
+        with unittest.mock.patch.object(jax, "process_count", lambda *a: n):
+            cost = jd.communication_cost(tx, params, axis_size=n)
         out[name] = {}
         for rate in res["link"]:
             gbps, lat_us = _link_model(res["link"], rate, n)

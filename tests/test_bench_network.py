@@ -220,3 +220,21 @@ def test_workers_are_pinned_one_per_cpu():
     assert bn._pin_note("none", 2) == "workers not pinned"
     assert "pinned to CPU" in bn._pin_note("cores", 2)
     assert "some sharing a CPU" in bn._pin_note("cores", len(cpus) + 1)
+
+
+def test_projections_trace_the_workers_program(monkeypatch):
+    """The launcher (one process) projects the program the workers ran: with several
+    processes the default all_reduce() sends one buffer on CPU, so it pays one call's
+    latency where the per-leaf form pays one per leaf."""
+    import jax
+
+    bn = _bench_module()
+    monkeypatch.setattr(bn, "_configure_jax", lambda devices: None)  # JAX already runs here
+    link = {"unshaped": {"allreduce_4B_s": 1e-4, "probe_mb": 1, "allreduce_probe_s": 0.01}}
+    res = {"procs": 2, "width": 8, "link": link, "methods": {"dense": {}, "dense_per_leaf": {}}}
+    proj = bn.projections(res, "gloo")
+    leaves = len(bn.resnet18_shapes(8))
+    per_round = bn._link_model(link, "unshaped", 2)[1] * 1e-6
+    extra = (leaves - 1) * 2 * per_round  # 2 (n - 1) rounds per call
+    assert proj["dense_per_leaf"]["unshaped"] - proj["dense"]["unshaped"] == pytest.approx(extra, rel=1e-6)
+    assert jax.process_count() == 1  # the patch did not outlive the projection
