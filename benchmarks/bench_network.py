@@ -63,7 +63,9 @@ Columns, per rate:
   at the link's per-worker bandwidth (``R / procs`` for the shared loopback;
   unshaped, the bandwidth a ``--calibration-mb`` all-reduce reached in the
   same run) and the per-round latency of a 4-byte all-reduce in the same run;
-  the projections are traced in the launching process when the table is
+  ``proj gloo`` also charges every gloo call at least the time of a 4 kB
+  all-reduce in the same run (``call_floor_us``: gloo over TCP took about
+  4 ms for any collective of more than one element here); the projections are traced in the launching process when the table is
   printed, so ``--from-json`` reprints a saved run with the current model;
 * ``gloo/meas``: ``proj gloo`` over ``s/step``.
 
@@ -290,6 +292,9 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
     tiny_x = jax.make_array_from_callback(
         (world_n,), world_row, lambda idx: np.ones(world_n, np.float32)[idx]
     )
+    small_x = jax.make_array_from_callback(  # 4 kB a worker: the per-call floor
+        (world_n * 1024,), world_row, lambda idx: np.ones(world_n * 1024, np.float32)[idx]
+    )
     big_n = args.calibration_mb * 2**18  # float32 elements of the bandwidth probe
     big_x = jax.make_array_from_callback(
         (world_n * big_n,), world_row, lambda idx: np.ones(world_n * big_n, np.float32)[idx]
@@ -310,6 +315,8 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
         barrier()
         lat, _ = _median_time(lambda: jax.block_until_ready(tiny(tiny_x)), 30)
         entry = {"allreduce_4B_s": lat, "probe_mb": args.calibration_mb}
+        jax.block_until_ready(tiny(small_x))
+        entry["allreduce_4kB_s"], _ = _median_time(lambda: jax.block_until_ready(tiny(small_x)), 30)
         if RATES[rate] is None or RATES[rate] >= 1.0:
             jax.block_until_ready(tiny(big_x))
             t_big, _ = _median_time(lambda: jax.block_until_ready(tiny(big_x)), 5)
@@ -405,6 +412,16 @@ def _link_model(link: dict[str, dict[str, float]], rate: str, n: int) -> tuple[f
     return wire * 8 / t / 1e9, lat_s * 1e6
 
 
+def _call_floor_us(link: dict[str, dict[str, float]], rate: str) -> float:
+    """The least time of one gloo call at ``rate``: the 4 kB all-reduce's time (0 if not calibrated).
+
+    Any collective of more than one element took about 4 ms between two processes on
+    one machine, against 0.09 ms for one element (RESULTS.md), so the 4-byte probe alone
+    prices calls far too low on fast links.
+    """
+    return link[rate].get("allreduce_4kB_s", 0.0) * 1e6
+
+
 def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[str, float]]:
     """``project_step_time`` (communication seconds) per method and rate, traced here.
 
@@ -430,8 +447,11 @@ def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[
         out[name] = {}
         for rate in res["link"]:
             gbps, lat_us = _link_model(res["link"], rate, n)
+            floor_us = _call_floor_us(res["link"], rate) if algorithm == "gloo" else 0.0
             out[name][rate] = float(
-                jd.project_step_time(cost, bandwidth_gbps=gbps, latency_us=lat_us, algorithm=algorithm)
+                jd.project_step_time(
+                    cost, bandwidth_gbps=gbps, latency_us=lat_us, algorithm=algorithm, call_floor_us=floor_us
+                )
             )
     return out
 
@@ -787,8 +807,10 @@ def print_tables(
             else ""
         )
         print(
-            f"  link {rate}: 4-byte all-reduce {cal['allreduce_4B_s'] * 1e6:.0f} us{extra}; "
-            f"model: {gbps:.4g} Gbit/s per worker, {lat_us:.0f} us per round"
+            f"  link {rate}: 4-byte all-reduce {cal['allreduce_4B_s'] * 1e6:.0f} us, "
+            f"4 kB all-reduce {_call_floor_us(res['link'], rate):.0f} us{extra}; "
+            f"model: {gbps:.4g} Gbit/s per worker, {lat_us:.0f} us per round, "
+            f"gloo calls at least the 4 kB all-reduce's time"
         )
     for rate in res["link"]:
         gbps = RATES[rate]

@@ -451,3 +451,25 @@ def test_project_step_time_algorithms():
     assert accounting._priced(rs, N, "gloo", alpha, beta) == pytest.approx(((N - 1) / N * 256, 3))
     with pytest.raises(ValueError, match=r"`algorithm` must be one of \('ring', 'auto', 'gloo'\)"):
         project_step_time(per_leaf, algorithm="tree", **link)
+
+
+def test_project_step_time_call_floor():
+    """call_floor_us: every call (each operand under "gloo") takes at least the floor."""
+    link = dict(bandwidth_gbps=8.0, latency_us=10.0)
+    per_leaf = communication_cost(jd.all_reduce(flatten=False), PARAMS, axis_size=N)  # 3 calls
+    flat = communication_cost(jd.all_reduce(flatten=True), PARAMS, axis_size=N)  # 1 call
+    floor_us = 4000.0  # above every call's rounds and bytes here
+    for algorithm in ("ring", "gloo", "auto"):
+        plain = project_step_time(per_leaf, algorithm=algorithm, **link)
+        floored = project_step_time(per_leaf, algorithm=algorithm, call_floor_us=floor_us, **link)
+        assert floored.seconds == pytest.approx(3 * floor_us * 1e-6), algorithm
+        assert floored.bandwidth_seconds == pytest.approx(plain.bandwidth_seconds)
+        assert floored.latency_seconds == pytest.approx(floored.seconds - plain.bandwidth_seconds)
+        assert floored.dense_seconds == pytest.approx(floor_us * 1e-6)
+        one = project_step_time(flat, algorithm=algorithm, call_floor_us=floor_us, **link)
+        assert one.seconds == pytest.approx(floor_us * 1e-6) and one.speedup == pytest.approx(1.0)
+    # A floor below every call changes nothing; 0 is the default.
+    tiny = project_step_time(per_leaf, algorithm="gloo", call_floor_us=1e-3, **link)
+    assert tiny.seconds == pytest.approx(project_step_time(per_leaf, algorithm="gloo", **link).seconds)
+    with pytest.raises(ValueError, match="call_floor_us"):
+        project_step_time(flat, call_floor_us=-1.0, **link)

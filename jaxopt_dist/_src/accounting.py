@@ -990,6 +990,25 @@ def _priced(c: Collective, k: int, algorithm: str, alpha: float, beta: float) ->
     return wire * c.multiplier, rounds_sum * c.multiplier
 
 
+def _floor_excess(c: Collective, k: int, algorithm: str, alpha: float, beta: float, floor: float) -> float:
+    """Seconds per step by which ``c``'s calls fall short of ``floor`` each (0 without a floor).
+
+    A call is the collective, or each of its operands under ``"gloo"`` (see :func:`_priced`).
+    """
+    if floor <= 0.0 or c.multiplier == 0:
+        return 0.0
+    if algorithm == "gloo":
+        calls = []
+        for shape, dtype in c.operands:
+            size = math.prod(shape) * (4 if dtype in _WIDENED else _itemsize(dtype))
+            factor, rounds = _algorithm_factors(c.kind, k, c.moving, size, alpha, beta, "gloo")
+            calls.append(rounds * alpha + factor * size / beta)
+    else:
+        wire, rounds = _priced(c, k, algorithm, alpha, beta)
+        calls = [(rounds * alpha + wire / beta) / c.multiplier]
+    return sum(max(0.0, floor - t) for t in calls) * c.multiplier
+
+
 # ----------------------------------------------------------------------------
 
 
@@ -1093,6 +1112,7 @@ def project_step_time(
     bandwidth_gbps: float | Mapping[Hashable, float],
     latency_us: float | Mapping[Hashable, float],
     algorithm: str = "ring",
+    call_floor_us: float = 0.0,
 ) -> StepTime:
     r"""Communication time per step under the alpha-beta model.
 
@@ -1135,6 +1155,14 @@ def project_step_time(
         all-gather are gloo's rings, all-to-all sends to every peer at once
         (one round) and reduce-scatter is gloo's halving-doubling
         (``ceil(log2 k)`` rounds).
+      call_floor_us: the least time one call takes, in microseconds: a
+        collective, or under ``"gloo"`` each of its operands. A call whose
+        rounds and bytes take less is charged this (the difference counts as
+        latency), and so is the dense baseline. Gloo over TCP has such a
+        floor: between two processes on one machine any collective of more
+        than one element took about 4 ms, whereas a single-element
+        all-reduce took 0.09 ms (``benchmarks/bench_network.py`` calibrates
+        it with a 4 kB all-reduce). Default 0: no floor.
 
     Returns:
       A :class:`StepTime`: the seconds per step as a float, with
@@ -1149,6 +1177,8 @@ def project_step_time(
     axes = list(cost.axis_sizes)
     gbps = _per_axis(bandwidth_gbps, "bandwidth_gbps", axes, lower_open=True)
     us = _per_axis(latency_us, "latency_us", axes, lower_open=False)
+    base.check_hyperparameter(call_floor_us, "call_floor_us", lower=0.0, lower_open=False)
+    floor = float(call_floor_us) * 1e-6
 
     def link(group: Sequence[Any]) -> tuple[float, float]:
         """(alpha seconds, beta bytes per second) of a collective over ``group``: the slowest link."""
@@ -1164,15 +1194,16 @@ def project_step_time(
             k = workers if c.group_size == cost.axis_size else c.group_size
             alpha, beta = link(c.axes)
             wire, rounds = _priced(c, k, algorithm, alpha, beta)
-            lat += rounds * alpha
+            wait = rounds * alpha + _floor_excess(c, k, algorithm, alpha, beta, floor)
+            lat += wait
             bw += wire / beta
-            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + rounds * alpha + wire / beta
+            by_kind[c.kind] = by_kind.get(c.kind, 0.0) + wait + wire / beta
             key = _axis_key(c.axes)
-            by_axis[key] = by_axis.get(key, 0.0) + rounds * alpha + wire / beta
+            by_axis[key] = by_axis.get(key, 0.0) + wait + wire / beta
     m = max(len(steps), 1)
     alpha, beta = link(axes)
     factor, rounds = _algorithm_factors("all_reduce", workers, 1.0, cost.params_bytes, alpha, beta, algorithm)
-    dense = rounds * alpha + factor * cost.params_bytes / beta
+    dense = max(rounds * alpha + factor * cost.params_bytes / beta, floor)
     return StepTime(
         (lat + bw) / m,
         latency_seconds=lat / m,
