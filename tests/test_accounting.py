@@ -471,5 +471,8 @@ def test_project_step_time_call_floor():
     # A floor below every call changes nothing; 0 is the default.
     tiny = project_step_time(per_leaf, algorithm="gloo", call_floor_us=1e-3, **link)
     assert tiny.seconds == pytest.approx(project_step_time(per_leaf, algorithm="gloo", **link).seconds)
+    # One worker sends nothing: no call, no floor.
+    alone = communication_cost(jd.all_reduce(flatten=False), PARAMS, axis_size=1)
+    assert project_step_time(alone, algorithm="gloo", call_floor_us=floor_us, **link).seconds == 0.0
     with pytest.raises(ValueError, match="call_floor_us"):
         project_step_time(flat, call_floor_us=-1.0, **link)

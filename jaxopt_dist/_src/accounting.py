@@ -995,7 +995,7 @@ def _floor_excess(c: Collective, k: int, algorithm: str, alpha: float, beta: flo
 
     A call is the collective, or each of its operands under ``"gloo"`` (see :func:`_priced`).
     """
-    if floor <= 0.0 or c.multiplier == 0:
+    if floor <= 0.0 or c.multiplier == 0 or k <= 1:  # one worker: nothing is sent, no call
         return 0.0
     if algorithm == "gloo":
         calls = []
@@ -1203,7 +1203,8 @@ def project_step_time(
     m = max(len(steps), 1)
     alpha, beta = link(axes)
     factor, rounds = _algorithm_factors("all_reduce", workers, 1.0, cost.params_bytes, alpha, beta, algorithm)
-    dense = max(rounds * alpha + factor * cost.params_bytes / beta, floor)
+    dense = rounds * alpha + factor * cost.params_bytes / beta
+    dense = max(dense, floor) if workers > 1 else dense
     return StepTime(
         (lat + bw) / m,
         latency_seconds=lat / m,
