@@ -65,8 +65,9 @@ Columns, per rate:
   same run) and the per-round latency of a 4-byte all-reduce in the same run;
   ``proj gloo`` also charges every gloo call at least the time of a 4 kB
   all-reduce in the same run (``call_floor_us``: gloo over TCP took about
-  4 ms for any collective of more than one element here); the projections are traced in the launching process when the table is
-  printed, so ``--from-json`` reprints a saved run with the current model;
+  4 ms for any collective of more than one element here); the projections
+  are traced in the launching process when the table is printed, so
+  ``--from-json`` reprints a saved run with the current model;
 * ``gloo/meas``: ``proj gloo`` over ``s/step``.
 
 The torch rows give ``s/step`` and ``x dense`` only.

@@ -974,39 +974,39 @@ def _algorithm_factors(
     return (log_factor, log_rounds) if log_t < ring_t else (factor, rounds)
 
 
+def _calls(c: Collective, k: int, algorithm: str, alpha: float, beta: float) -> list[tuple[float, int]]:
+    """(bytes sent, latency rounds) of each call in one execution of ``c`` under ``algorithm``.
+
+    One call for all operands, except under ``"gloo"``: one per operand, 16-bit floats widened.
+    """
+    if algorithm == "gloo":
+        sizes = [
+            math.prod(shape) * (4 if dtype in _WIDENED else _itemsize(dtype)) for shape, dtype in c.operands
+        ]
+    else:
+        sizes = [c.payload_bytes]
+    out = []
+    for size in sizes:
+        factor, rounds = _algorithm_factors(c.kind, k, c.moving, size, alpha, beta, algorithm)
+        out.append((factor * size, rounds))
+    return out
+
+
 def _priced(c: Collective, k: int, algorithm: str, alpha: float, beta: float) -> tuple[float, float]:
     """(bytes sent, latency rounds) per step of one traced collective under ``algorithm``."""
-    if algorithm == "ring":
-        return c.sent_bytes(k), float(c.rounds(k))
-    if algorithm == "auto":  # one call for all operands, the algorithm picked by its size
-        factor, rounds = _algorithm_factors(c.kind, k, c.moving, c.payload_bytes, alpha, beta, "auto")
-        return factor * c.payload_bytes * c.multiplier, float(rounds * c.multiplier)
-    wire = rounds_sum = 0.0  # gloo: one call per operand, 16-bit floats widened
-    for shape, dtype in c.operands:
-        size = math.prod(shape) * (4 if dtype in _WIDENED else _itemsize(dtype))
-        factor, rounds = _algorithm_factors(c.kind, k, c.moving, size, alpha, beta, "gloo")
-        wire += factor * size
-        rounds_sum += rounds
-    return wire * c.multiplier, rounds_sum * c.multiplier
+    calls = _calls(c, k, algorithm, alpha, beta)
+    return sum(w for w, _ in calls) * c.multiplier, float(sum(r for _, r in calls) * c.multiplier)
 
 
 def _floor_excess(c: Collective, k: int, algorithm: str, alpha: float, beta: float, floor: float) -> float:
-    """Seconds per step by which ``c``'s calls fall short of ``floor`` each (0 without a floor).
-
-    A call is the collective, or each of its operands under ``"gloo"`` (see :func:`_priced`).
-    """
-    if floor <= 0.0 or c.multiplier == 0 or k <= 1:  # one worker: nothing is sent, no call
+    """Seconds per step by which ``c``'s calls (see :func:`_calls`) fall short of ``floor`` each."""
+    if floor <= 0.0 or k <= 1:  # one worker: nothing is sent, no call
         return 0.0
-    if algorithm == "gloo":
-        calls = []
-        for shape, dtype in c.operands:
-            size = math.prod(shape) * (4 if dtype in _WIDENED else _itemsize(dtype))
-            factor, rounds = _algorithm_factors(c.kind, k, c.moving, size, alpha, beta, "gloo")
-            calls.append(rounds * alpha + factor * size / beta)
-    else:
-        wire, rounds = _priced(c, k, algorithm, alpha, beta)
-        calls = [(rounds * alpha + wire / beta) / c.multiplier]
-    return sum(max(0.0, floor - t) for t in calls) * c.multiplier
+    short = sum(
+        max(0.0, floor - (rounds * alpha + wire / beta))
+        for wire, rounds in _calls(c, k, algorithm, alpha, beta)
+    )
+    return short * c.multiplier
 
 
 # ----------------------------------------------------------------------------
