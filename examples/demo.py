@@ -215,7 +215,11 @@ class Checkpoints:
         return self._managers[phase]
 
     def save(self, phase: str, step: int, tree: Any, meta: dict[str, Any]) -> None:
+        """Starts saving ``tree`` and ``meta`` as of now (the write finishes in the background)."""
         ocp = self.ocp
+        # Orbax serializes the JSON item in its background commit, so a list the caller goes
+        # on appending to would be written with entries from later steps: save a snapshot.
+        meta = json.loads(json.dumps(meta))
         self.manager(phase).save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
         )
@@ -230,6 +234,14 @@ class Checkpoints:
             step, args=ocp.args.Composite(state=ocp.args.StandardRestore(like), meta=ocp.args.JsonRestore())
         )
         return out.state, out.meta
+
+    def check_curve(self, losses: list[float], step: int) -> None:
+        """Refuses a checkpoint whose loss curve does not end at its step."""
+        if len(losses) != step:
+            raise RuntimeError(
+                f"checkpoint {self.directory} at step {step} holds {len(losses)} losses; "
+                "delete the directory and run again"
+            )
 
     def finished(self) -> dict[str, Any] | None:
         if not os.path.exists(self.row_path):
@@ -290,6 +302,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
             like = {"start": start, "snapshots": [start] * len(range(0, warmup, every))}
             tree, meta = ckpt.restore("warmup", done, jax.device_get(like))
             start, snapshots, losses[:] = tree["start"], tree["snapshots"], meta["losses"]
+            ckpt.check_curve(losses, warmup)
             progress.update(warmup)
         else:
             warm = jd.data_parallel_step(loss_fn, dense_sgd(), mesh=mesh)
@@ -313,6 +326,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
     if ckpt is not None and (saved := ckpt.latest("main")) is not None:
         (params, opt_state), meta = ckpt.restore("main", saved, step.abstract_init(start))
         losses[:], times[:] = meta["losses"], meta["times"]
+        ckpt.check_curve(losses, saved)
         progress.update(saved - warmup)
         first = saved
     else:

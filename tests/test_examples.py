@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests import helpers
@@ -37,6 +38,21 @@ def test_demo_rejects_unknown_method(tmp_path):
     demo = helpers.load_example("demo")
     with pytest.raises(SystemExit):
         demo.main(["--methods", "dense,nope", "--out", str(tmp_path)])
+
+
+def test_demo_checkpoint_keeps_the_curve_as_of_the_save(tmp_path):
+    """The save finishes in the background; appending to the curve afterwards must not leak in."""
+    demo = helpers.load_example("demo")
+    ckpt = demo.Checkpoints(str(tmp_path), every=1)
+    losses = [1.0, 0.5]
+    ckpt.save("main", 2, {"w": np.zeros(3, np.float32)}, {"losses": losses})
+    losses.extend([0.25] * 1000)
+    ckpt.manager("main").wait_until_finished()
+    _, meta = ckpt.restore("main", 2, {"w": np.zeros(3, np.float32)})
+    assert meta["losses"] == [1.0, 0.5]
+    ckpt.check_curve(meta["losses"], 2)
+    with pytest.raises(RuntimeError, match="holds 2 losses"):
+        ckpt.check_curve(meta["losses"], 3)
 
 
 def _demo_cmd(out, ckpt, steps):
