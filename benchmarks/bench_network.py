@@ -40,12 +40,11 @@ CPU pinning (``--pin``). On one machine the workers share its cores. By
 default (``--pin cores``) worker ``i`` is pinned to the ``i``-th CPU it may run
 on (modulo their number), before JAX or torch starts, so each worker computes
 on a core of its own, as it would on a host of its own, and every thread
-pool sizes itself to that core; the compute-only processes are pinned the
-same way. Unpinned (``--pin none``) the kernel moves every worker's threads
-over every core: a worker's multi-threaded kernels then run on the core the
-other worker is computing on, and a small-message step took 1.5x as long
-as pinned with no link at all (PowerSGD rank 1, 2 processes, unshaped
-loopback: 71 ms against 46 ms). Cluster runs (``--coordinator``) are not
+pool sizes itself to that core. Unpinned (``--pin none``) the kernel moves
+every worker's threads over every core: a worker's multi-threaded kernels
+then run on the core the other worker is computing on, and a small-message
+step took 1.5x as long as pinned with no link at all (PowerSGD rank 1, 2
+processes, unshaped loopback: 71 ms against 46 ms). Cluster runs (``--coordinator``) are not
 pinned.
 
 Columns, per rate:
@@ -54,10 +53,12 @@ Columns, per rate:
 * ``x dense``: the dense row's ``s/step`` over this row's (> 1: faster);
 * ``B/worker``: bytes each worker sends per step (``communication_cost``);
 * ``wire s``: the time the shaped wire alone needs for every worker's bytes;
-* ``compute s``: the same update with no link: ``--compute-procs`` processes
-  (default ``--procs``) each time it on a device of their own, side by side,
-  so each has the share of the cores a process of the linked run has (one
-  process alone would get every core: XLA:CPU runs its kernels multi-threaded);
+* ``compute s``: the same update with no link: every worker also times it on
+  a one-device mesh of its own, the workers side by side (so each has the
+  share of the cores it has in the linked run; one process alone would get
+  every core, as XLA:CPU runs its kernels multi-threaded), in rounds that
+  alternate with the linked timings of the same method (a drift of the
+  machine's speed then moves both alike);
 * ``proj ring`` / ``proj gloo``: ``compute s`` + ``project_step_time`` with
   ``algorithm="ring"`` (the textbook model) / ``"gloo"`` (XLA:CPU over gloo)
   at the link's per-worker bandwidth (``R / procs`` for the shared loopback;
@@ -232,8 +233,132 @@ def _median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float
     return statistics.median(times), times
 
 
+ROUNDS = 3
+"""Rounds of :func:`_time_rounds`: each timing (the compute-only one, each rate) gets a share per round."""
+
+
+def _time_rounds(
+    runs: list[tuple[str, str, Callable[[], Any]]], enter: Callable[[str], None], repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Times each ``(key, rate, one_step)`` in turn, ``ROUNDS`` times over: median of ``repeats`` each.
+
+    A round enters each run's rate, takes a warm-up step and then its share of
+    ``repeats``, so the compute-only time and the linked times of a method are
+    taken within the same minute or so, alternating: a drift of the machine's
+    speed (this VM's compute varied 2x between runs of the same code) then
+    moves them together instead of skewing their difference.
+    """
+    rounds = min(ROUNDS, repeats)
+    shares = [repeats // rounds + (i < repeats % rounds) for i in range(rounds)]
+    times: dict[str, list[float]] = {key: [] for key, _, _ in runs}
+    for share in shares:
+        for key, rate, one in runs:
+            enter(rate)
+            one()  # warm-up at this rate
+            times[key] += _median_time(one, share)[1]
+    return {key: {"median_s": statistics.median(t), "times_s": t} for key, t in times.items()}
+
+
+def _update_step(jax: Any, optax: Any, jd: Any, tx: Any, params: Any, mesh: Any) -> Callable[[Any], None]:
+    """One update of ``tx`` + the parameters on ``mesh``, jitted; returns ``one(grads)``, which blocks.
+
+    The parameters and the optimizer state live in the closure and are donated
+    at each call, as a training loop would.
+    """
+    P = jax.sharding.PartitionSpec
+    mask = jd.opt_state_placement(tx, params, mesh=mesh).per_worker
+    s_spec = jax.tree.map(lambda m: P("data") if m else P(), mask)
+    p_spec = jax.tree.map(lambda _: P(), params)
+
+    # Arguments and results in the same order (params, state): JAX pairs a
+    # donated input with an output of its shape in order, so a swapped order
+    # would alias the new params onto the old momentum and make XLA copy every
+    # buffer first (measured: 60 of the dense step's 70 ms on one core).
+    def body(g, p, s):
+        g = jax.tree.map(lambda x: x[0], g)
+        s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
+        u, s = tx.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        return p, jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("data"), p_spec, s_spec), out_specs=(p_spec, s_spec)),
+        donate_argnums=(1, 2),
+    )
+    carry = [jd.place_params(params, mesh=mesh), jd.init_opt_state(tx, params, mesh=mesh)]
+
+    def one(grads: Any) -> None:
+        carry[0], carry[1] = step(grads, carry[0], carry[1])
+        jax.block_until_ready(carry[0])
+
+    return one
+
+
+def _gradients(jax: Any, np: Any, shapes: dict[str, tuple[int, ...]], mesh: Any, first_worker: int) -> Any:
+    """One distinct gradient row per worker of ``mesh`` (worker ``first_worker`` upwards), made where it lives."""
+    n = mesh.shape["data"]
+    row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def leaf(i: int, s: tuple[int, ...]) -> Any:
+        def cb(idx: Any) -> Any:
+            rows = range(n)[idx[0]]
+            return np.stack(
+                [
+                    np.random.default_rng([i, first_worker + r]).standard_normal(s, np.float32) * 1e-2
+                    for r in rows
+                ]
+            )
+
+        return jax.make_array_from_callback((n, *s), row, cb)
+
+    return {k: leaf(i, s) for i, (k, s) in enumerate(shapes.items())}
+
+
+def _world_ops(jax: Any, np: Any, world: Any) -> tuple[Callable[[Any], Any], Callable[[int], Any]]:
+    """``psum(x)`` over ``world`` (jitted) and ``ones(k)``: a row of ``k`` float32 ones per worker."""
+    P = jax.sharding.PartitionSpec
+    world_n = world.shape["data"]
+    world_row = jax.sharding.NamedSharding(world, P("data"))
+    psum = jax.jit(
+        jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=world, in_specs=P("data"), out_specs=P())
+    )
+
+    def ones(per_worker: int) -> Any:
+        size = world_n * per_worker
+        return jax.make_array_from_callback((size,), world_row, lambda idx: np.ones(size, np.float32)[idx])
+
+    return psum, ones
+
+
+def _calibrate(
+    jax: Any, psum: Callable[[Any], Any], ones: Callable[[int], Any], rates: list[str], enter: Any, mb: int
+) -> dict[str, dict[str, float]]:
+    """Per rate: the times of a 4-byte, a 4 kB and (except at slow rates) an ``mb`` MB all-reduce."""
+
+    def timed(x: Any, repeats: int) -> float:
+        jax.block_until_ready(psum(x))
+        return _median_time(lambda: jax.block_until_ready(psum(x)), repeats)[0]
+
+    tiny, small, big = ones(1), ones(1024), ones(mb * 2**18)
+    link: dict[str, dict[str, float]] = {}
+    for rate in rates:
+        enter(rate)
+        entry = {"allreduce_4B_s": timed(tiny, 30), "probe_mb": mb, "allreduce_4kB_s": timed(small, 30)}
+        if RATES[rate] is None or RATES[rate] >= 1.0:
+            entry["allreduce_probe_s"] = timed(big, 5)
+        link[rate] = entry
+    return link
+
+
 def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
-    """Times every selected method at every rate; returns process 0's results."""
+    """Times every selected method at every rate, and with no link; returns process 0's results.
+
+    Every process times the update twice over: on the mesh of every
+    process's device (the linked run) and on a one-device mesh of its own
+    (``compute``: the same update with no link, the processes side by side,
+    so each has the share of the cores it has in the linked run), in
+    alternating rounds (:func:`_time_rounds`).
+    """
     _configure_jax(1)
     import jax
     import jax.numpy as jnp
@@ -249,139 +374,54 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
             coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
         )
     me = jax.process_index()
-    # The link calibration and the barriers use every process's device; the
-    # timed update uses this process's device alone in a compute-only run
-    # (--local-compute: every process times its own update, side by side).
     world = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
-    local = args.local_compute
-    mesh = jax.make_mesh((1,), ("data",), devices=jax.local_devices()[:1]) if local else world
-    n = mesh.shape["data"]
-    P = jax.sharding.PartitionSpec
-    row = jax.sharding.NamedSharding(mesh, P("data"))
+    alone = jax.make_mesh((1,), ("data",), devices=jax.local_devices()[:1])
     world_n = world.shape["data"]
-    world_row = jax.sharding.NamedSharding(world, P("data"))
     rates = args.rates if args.shape else ["unshaped"]
+    psum, ones = _world_ops(jax, np, world)
+    one_each = ones(1)
 
-    def log(*a: Any) -> None:
-        if args.verbose:
-            print(f"[{me}/{n}]", *a, file=sys.stderr, flush=True)
-
-    # Gradients: one distinct row per worker, made on the process that owns it.
-    shapes = resnet18_shapes(args.width)
-    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-
-    def grad_leaf(i: int, s: tuple[int, ...]) -> jax.Array:
-        def cb(idx: Any) -> np.ndarray:
-            rows = range(n)[idx[0]]
-            return np.stack(
-                [
-                    np.random.default_rng([i, r + me * local]).standard_normal(s, np.float32) * 1e-2
-                    for r in rows
-                ]
-            )
-
-        return jax.make_array_from_callback((n, *s), row, cb)
-
-    grads = {k: grad_leaf(i, s) for i, (k, s) in enumerate(shapes.items())}
-
-    @jax.jit
-    def tiny(x: jax.Array) -> jax.Array:
-        return jax.shard_map(
-            lambda v: jax.lax.psum(v, "data"), mesh=world, in_specs=P("data"), out_specs=P()
-        )(x)
-
-    tiny_x = jax.make_array_from_callback(
-        (world_n,), world_row, lambda idx: np.ones(world_n, np.float32)[idx]
-    )
-    small_x = jax.make_array_from_callback(  # 4 kB a worker: the per-call floor
-        (world_n * 1024,), world_row, lambda idx: np.ones(world_n * 1024, np.float32)[idx]
-    )
-    big_n = args.calibration_mb * 2**18  # float32 elements of the bandwidth probe
-    big_x = jax.make_array_from_callback(
-        (world_n * big_n,), world_row, lambda idx: np.ones(world_n * big_n, np.float32)[idx]
-    )
-
-    def barrier() -> None:
-        jax.block_until_ready(tiny(tiny_x))
-
-    def enter(rate: str) -> None:
+    def enter(rate: str) -> None:  # every process at the same point, the link at `rate`
         if args.shape and me == 0:
             set_rate(rate)
-        barrier()
+        jax.block_until_ready(psum(one_each))
 
-    # Link calibration per rate: a 4-byte all-reduce (latency) and a larger one (bandwidth).
-    link: dict[str, dict[str, float]] = {}
-    for rate in rates:
-        enter(rate)
-        barrier()
-        lat, _ = _median_time(lambda: jax.block_until_ready(tiny(tiny_x)), 30)
-        entry = {"allreduce_4B_s": lat, "probe_mb": args.calibration_mb}
-        jax.block_until_ready(tiny(small_x))
-        entry["allreduce_4kB_s"], _ = _median_time(lambda: jax.block_until_ready(tiny(small_x)), 30)
-        if RATES[rate] is None or RATES[rate] >= 1.0:
-            jax.block_until_ready(tiny(big_x))
-            t_big, _ = _median_time(lambda: jax.block_until_ready(tiny(big_x)), 5)
-            entry["allreduce_probe_s"] = t_big
-        link[rate] = entry
-        log("link", rate, entry)
-
+    link = _calibrate(jax, psum, ones, rates, enter, args.calibration_mb)
+    if args.verbose:
+        print(f"[{me}/{world_n}] link", link, file=sys.stderr, flush=True)
+    shapes = resnet18_shapes(args.width)
+    params = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    grads, grads_alone = _gradients(jax, np, shapes, world, 0), _gradients(jax, np, shapes, alone, me)
     table = methods(jd, jnp)
     results: dict[str, Any] = {}
-    for name in args.methods:
-        if name not in table:
-            continue
+    for name in [m for m in args.methods if m in table]:
         label, make = table[name]
         tx = optax.chain(make(), jd.sgd(LR, momentum=MOMENTUM))
-        cost = jd.communication_cost(tx, params, axis_size=n)
         enter("unshaped")
-        mask = jd.opt_state_placement(tx, params, mesh=mesh).per_worker
-        state = jd.init_opt_state(tx, params, mesh=mesh)
-        s_spec = jax.tree.map(lambda m: P("data") if m else P(), mask)
-        p_spec = jax.tree.map(lambda _: P(), params)
-
-        # Arguments and results in the same order (params, state): JAX pairs a
-        # donated input with an output of its shape in order, so a swapped
-        # order would alias the new params onto the old momentum and make
-        # XLA copy every buffer first (measured: 60 of the dense step's 70 ms
-        # on one core).
-        def body(g, p, s, tx=tx, mask=mask):
-            g = jax.tree.map(lambda x: x[0], g)
-            s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
-            u, s = tx.update(g, s, p)
-            p = optax.apply_updates(p, u)
-            return p, jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
-
-        step = jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(P("data"), p_spec, s_spec), out_specs=(p_spec, s_spec)),
-            donate_argnums=(1, 2),
-        )
         t0 = time.perf_counter()
-        carry = [jd.place_params(params, mesh=mesh), state]  # donated: fresh buffers per method
-
-        def one() -> None:
-            carry[0], carry[1] = step(grads, carry[0], carry[1])
-            jax.block_until_ready(carry[0])
-
-        one()  # compile + first step
+        linked = functools.partial(_update_step(jax, optax, jd, tx, params, world), grads)
+        linked()  # compile + first step
         compile_s = time.perf_counter() - t0
-        per_rate = {}
-        for rate in rates:
-            enter(rate)
-            one()  # warm-up at this rate
-            med, times = _median_time(one, args.repeats)
-            per_rate[rate] = {"median_s": med, "times_s": times}
-            log(name, rate, f"{med * 1e3:.1f} ms")
+        local = linked
+        if world_n > 1:
+            local = functools.partial(_update_step(jax, optax, jd, tx, params, alone), grads_alone)
+            local()
+        runs = [("compute", "unshaped", local)] + [(rate, rate, linked) for rate in rates]
+        timed = _time_rounds(runs, enter, args.repeats)
         results[name] = {
             "label": label,
-            "sent_bytes": cost.sent_bytes,
+            "sent_bytes": jd.communication_cost(tx, params, axis_size=world_n).sent_bytes,
             "compile_s": compile_s,
-            "rates": per_rate,
+            "compute": timed.pop("compute"),
+            "rates": timed,
         }
+        if args.verbose:
+            ms = {k: round(v["median_s"] * 1e3, 1) for k, v in results[name]["rates"].items()}
+            print(f"[{me}/{world_n}] {name} ms:", ms, file=sys.stderr, flush=True)
     if args.shape and me == 0:
         set_rate("unshaped")
     out = {
-        "procs": n,
-        "concurrent": world_n if local else 1,
+        "procs": world_n,
         "params": int(sum(math.prod(s) for s in shapes.values())),
         "link": link,
         "width": args.width,
@@ -691,8 +731,6 @@ def _worker_argv(
         argv += ["--e2e-methods", ",".join(args.e2e_methods)]
     if args.shape:
         argv.append("--shape")
-    if getattr(args, "local_compute", False):
-        argv.append("--local-compute")
     cpu = _cpu_for(args.pin, pid)
     if cpu is not None:
         argv += ["--cpu", str(cpu)]
@@ -721,7 +759,7 @@ def launch_group(args: argparse.Namespace, kind: str, procs: int, timeout: float
                 argv = _worker_argv(args, kind, 1, 0, coord, out)
                 if kind == "jax":
                     i = argv.index("--coordinator")
-                    del argv[i : i + 2]  # one process, no distributed runtime: compute only
+                    del argv[i : i + 2]  # one process: no distributed runtime, no link
             else:
                 cmds = [
                     " ".join(_quote(a) for a in _worker_argv(args, kind, procs, i, coord, out))
@@ -756,24 +794,6 @@ def launch_group(args: argparse.Namespace, kind: str, procs: int, timeout: float
         return res
 
 
-def run_compute_group(args: argparse.Namespace) -> dict[str, Any]:
-    """The compute-only times: ``--compute-procs`` processes, unshaped, each timing its own update.
-
-    Each process runs the update on a one-device mesh of its own (nothing
-    crosses the link); the processes start each method and rate together
-    (a barrier over the loopback) and time it side by side, so each has the
-    share of the machine's cores that a process of the ``--procs`` run has.
-    Process 0's times are kept.
-    """
-    procs = args.procs if args.compute_procs is None else args.compute_procs
-    shape, args.shape = args.shape, False
-    args.local_compute = procs > 1
-    try:
-        return launch_group(args, "jax", procs, args.timeout)
-    finally:
-        args.shape, args.local_compute = shape, False
-
-
 _WAIT_ALL = 'rc=0\nfor p in $(jobs -p); do wait "$p" || rc=$?; done\nexit "$rc"\n'
 
 
@@ -787,18 +807,29 @@ def _quote(a: str) -> str:
 # Tables.
 
 
+def _compute_s(res: dict[str, Any], name: str, compute: dict[str, Any] | None = None) -> float | None:
+    """The compute-only median of ``name``: its own entry, or (saved by older versions) a separate run's."""
+    if "compute" in res["methods"][name]:
+        return res["methods"][name]["compute"]["median_s"]
+    old = (compute or {}).get("methods", {}).get(name, {}).get("rates", {}).get("unshaped", {})
+    return old.get("median_s")
+
+
 def print_tables(
-    res: dict[str, Any], compute: dict[str, Any], torch_res: dict[str, Any] | None, note: str
+    res: dict[str, Any], torch_res: dict[str, Any] | None, note: str, compute: dict[str, Any] | None = None
 ) -> None:
-    """Markdown tables, one per rate; projections traced here with the current model."""
+    """Markdown tables, one per rate; projections traced here with the current model.
+
+    ``compute``: the separate compute-only run that ``--json`` files of older
+    versions of this script hold; newer ones keep it in each method's entry.
+    """
     n = res["procs"]
     rows = res["methods"]
     ring, gloo = projections(res, "ring"), projections(res, "gloo")
     print(f"\n{res['params']:,} float32 parameters (ResNet-18 CIFAR shapes), {n} processes, gloo; {note}")
-    side = compute.get("concurrent", 1)
     print(
-        f"  compute s: the update with no link, timed in {side} process{'es' if side > 1 else ''} "
-        "side by side, each on its own device"
+        f"  compute s: the update with no link, timed by the {n} processes side by side, each on its own "
+        "device, in rounds alternating with the linked timings"
     )
     for rate, cal in res["link"].items():
         gbps, lat_us = _link_model(res["link"], rate, n)
@@ -831,7 +862,7 @@ def print_tables(
         print("| " + " | ".join(cols) + " |\n|---|" + "---:|" * (len(cols) - 1))
         for name, r in rows.items():
             meas = r["rates"][rate]["median_s"]
-            comp = compute["methods"].get(name, {}).get("rates", {}).get("unshaped", {}).get("median_s")
+            comp = _compute_s(res, name, compute)
             p_ring = ring[name][rate] + (comp or 0.0)
             p_gloo = gloo[name][rate] + (comp or 0.0)
             wire = f"{n * r['sent_bytes'] * 8 / (gbps * 1e9):.3f}" if gbps else "-"
@@ -900,14 +931,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-methods", default="", help="comma-separated rows of the --e2e set (default: all)")
     p.add_argument("--torch-coordinator", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--local-compute", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--compute-procs",
-        type=int,
-        default=None,
-        help="processes timing the compute-only update side by side, each on its own device and no link "
-        "(default: --procs, so each gets the share of the CPU cores a process of the linked run has)",
-    )
     p.add_argument(
         "--malloc",
         choices=("auto", "tcmalloc", "hugepages", "default"),
@@ -986,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
         if "e2e" in saved:
             print_e2e(saved["e2e"], saved.get("note", ""))
             return 0
-        print_tables(saved["jax"], saved["compute"], saved.get("torch"), saved.get("note", ""))
+        print_tables(saved["jax"], saved.get("torch"), saved.get("note", ""), saved.get("compute"))
         return 0
     if args.jax_worker or args.torch_worker or args.e2e_worker:
         if args.cpu is not None:  # before JAX or torch sizes its thread pools
@@ -1001,12 +1024,9 @@ def main(argv: list[str] | None = None) -> int:
         args.shape, args.pin = False, "none"
         res = run_jax_worker(args)
         if args.process_id == 0:
-            args.num_processes, args.process_id = 1, 0
-            args.compute_procs = 1  # the other hosts' cores are theirs
-            compute = run_compute_group(args)
-            print_tables(res, compute, None, "cluster link (not shaped)")
+            print_tables(res, None, "cluster link (not shaped)")
             if args.json:
-                saved = {"jax": res, "compute": compute, "note": "cluster link (not shaped)"}
+                saved = {"jax": res, "note": "cluster link (not shaped)"}
                 pathlib.Path(args.json).write_text(json.dumps(saved))
         return 0
 
@@ -1026,8 +1046,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.e2e:
         return run_e2e(args, note)
     t0 = time.perf_counter()
-    compute = run_compute_group(args)
-    print(f"compute-only runs done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     res = launch_group(args, "jax", args.procs, args.timeout)
     print(f"{args.procs}-process jax runs done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     torch_res = None
@@ -1040,9 +1058,9 @@ def main(argv: list[str] | None = None) -> int:
             torch_res = launch_group(args, "torch", args.procs, args.timeout)
             print(f"torch runs done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.json:
-        saved = {"jax": res, "compute": compute, "torch": torch_res, "note": note, "argv": sys.argv[1:]}
+        saved = {"jax": res, "torch": torch_res, "note": note, "argv": sys.argv[1:]}
         pathlib.Path(args.json).write_text(json.dumps(saved))
-    print_tables(res, compute, torch_res, note)
+    print_tables(res, torch_res, note)
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -2,8 +2,8 @@
 
 Two processes on a loopback coordinator (``jax.distributed``, gloo), tiny
 ResNet-18 shapes (base width 2), unshaped, two methods, two timed steps: the
-harness starts, times every method in both processes and in the one-process
-compute-only run, and prints a table whose bytes agree with
+harness starts, times every method in both processes, linked and each on its
+own device (the compute-only time), and prints a table whose bytes agree with
 ``communication_cost``. The ``--e2e --e2e-set lowcomm`` mode (dense AdamW,
 DiLoCo, Streaming DiLoCo) runs unshaped on a 64-16-16-10 MLP for 60 steps,
 past every row's first synchronisation.
@@ -18,6 +18,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -50,26 +51,27 @@ def test_two_process_smoke(tmp_path):
         *("--procs", "2", "--no-shape", "--width", "2", "--repeats", "2", "--calibration-mb", "1"),
         *("--methods", ",".join(METHODS), "--torch-methods", ""),
     )
-    res, compute = saved["jax"], saved["compute"]
-    assert res["procs"] == 2 and compute["procs"] == 1
+    res = saved["jax"]
+    assert res["procs"] == 2
     assert list(res["methods"]) == list(METHODS)  # the dense row first
     shapes = _bench_module().resnet18_shapes(2)
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()}
     for name in METHODS:
-        for run in (res, compute):
-            times = run["methods"][name]["rates"]["unshaped"]["times_s"]
+        row = res["methods"][name]
+        for timing in (row["rates"]["unshaped"], row["compute"]):
+            times = timing["times_s"]
             assert len(times) == 2 and all(0 < t < 60 for t in times), (name, times)
+            assert timing["median_s"] == pytest.approx(float(np.median(times)))
         make = {"dense": jd.all_reduce, "powersgd_r1": lambda: jd.powersgd(rank=1)}[name]
         cost = jd.communication_cost(optax.chain(make(), jd.sgd(0.1, momentum=0.9)), params, axis_size=2)
         assert res["methods"][name]["sent_bytes"] == pytest.approx(cost.sent_bytes)
-        assert compute["methods"][name]["sent_bytes"] == 0  # one worker sends nothing
     # --malloc auto (the default): tcmalloc where installed, else glibc with huge pages.
     expected = "tcmalloc" if _bench_module()._tcmalloc() else "glibc"
     if os.path.exists("/proc/self/maps"):
-        assert res["malloc"] == compute["malloc"] == expected
+        assert res["malloc"] == expected
     assert ("tcmalloc preloaded" in saved["note"]) == (expected == "tcmalloc")
     if hasattr(os, "sched_getaffinity"):  # --pin cores (the default): worker 0 on the first usable CPU
-        assert res["cpus"] == compute["cpus"] == [min(os.sched_getaffinity(0))]
+        assert res["cpus"] == [min(os.sched_getaffinity(0))]
         assert "pinned to CPU" in saved["note"]
     assert f"CPU: {_bench_module()._cpu_model()}" in saved["note"]
     cal = res["link"]["unshaped"]
@@ -79,6 +81,35 @@ def test_two_process_smoke(tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert [row.split(" | ")[0][2:] for row in rows] == list(METHODS), table
     assert rows[0].split(" | ")[2] == "1.00"  # dense over itself
+    for row, name in zip(rows, METHODS):  # the compute column: the method's own compute-only median
+        assert row.split(" | ")[5] == f"{res['methods'][name]['compute']['median_s']:.3f}"
+
+
+def test_time_rounds_alternates_and_splits_the_repeats():
+    """Every run gets its share in each of the rounds, after entering its rate and a warm-up step."""
+    bench, log = _bench_module(), []
+    runs = [
+        (key, rate, lambda key=key: log.append(key))
+        for key, rate in [("compute", "unshaped"), ("1gbit", "1gbit")]
+    ]
+    out = bench._time_rounds(runs, lambda rate: log.append(f"enter {rate}"), repeats=7)
+    assert bench.ROUNDS == 3
+    per_round = [
+        ["enter unshaped"] + ["compute"] * (1 + k) + ["enter 1gbit"] + ["1gbit"] * (1 + k) for k in (3, 2, 2)
+    ]
+    assert log == [e for r in per_round for e in r]
+    assert {k: len(v["times_s"]) for k, v in out.items()} == {"compute": 7, "1gbit": 7}
+    assert len(bench._time_rounds(runs, lambda rate: None, repeats=1)["compute"]["times_s"]) == 1
+
+
+def test_tables_read_the_compute_column_of_older_json_files():
+    """Files saved before the compute-only time moved into each method's entry still print."""
+    bench = _bench_module()
+    res = {"methods": {"dense": {"rates": {}}, "new": {"rates": {}, "compute": {"median_s": 0.5}}}}
+    old = {"methods": {"dense": {"rates": {"unshaped": {"median_s": 0.25}}}}}
+    assert bench._compute_s(res, "dense", old) == 0.25
+    assert bench._compute_s(res, "new", old) == 0.5
+    assert bench._compute_s(res, "dense") is None
 
 
 @pytest.mark.parametrize(
