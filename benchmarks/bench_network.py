@@ -66,7 +66,10 @@ Columns, per rate:
   same run) and the per-round latency of a 4-byte all-reduce in the same run;
   ``proj gloo`` also charges every gloo call at least the time of a 4 kB
   all-reduce in the same run (``call_floor_us``: gloo over TCP took about
-  4 ms for any collective of more than one element here); the projections
+  4 ms for any collective of more than one element here); at a shaped rate
+  both count the token bucket (:func:`_bucket_speedup`: up to 2 MiB of a
+  step's bytes, refilled during its compute, cross unpaced, which a real link
+  of that rate would not do); the projections
   are traced in the launching process when the table is printed, so
   ``--from-json`` reprints a saved run with the current model;
 * ``gloo/meas``: ``proj gloo`` over ``s/step``.
@@ -136,6 +139,8 @@ RATES: dict[str, float | None] = {"100mbit": 0.1, "1gbit": 1.0, "10gbit": 10.0, 
 
 LR, MOMENTUM = 0.1, 0.9
 TC_SHAPE = "tbf rate {rate} burst 2mb latency 2s"
+TBF_BURST_BYTES = 2 * 2**20
+"""The token bucket's depth: tc reads ``2mb`` as 2 MiB."""
 TORCH_METHODS = ("torch_allreduce", "torch_fp16", "torch_powersgd_r1", "torch_powersgd_r4")
 
 
@@ -463,6 +468,32 @@ def _call_floor_us(link: dict[str, dict[str, float]], rate: str) -> float:
     return link[rate].get("allreduce_4kB_s", 0.0) * 1e6
 
 
+def _bucket_speedup(res: dict[str, Any], name: str, rate: str) -> float:
+    """How much faster than ``rate`` the shaped loopback carries ``name``'s step: its token bucket.
+
+    tbf lets a full bucket (``TBF_BURST_BYTES``) through unpaced, and refills it
+    at the rate. In a step of ``c`` seconds of compute with no bytes in flight
+    it regains ``rate * c`` bytes, so up to ``min(burst, rate * c)`` of the
+    step's bytes (every worker's: they share the loopback) cross at the bare
+    loopback's speed and only the rest at ``rate``. Returned as the factor by
+    which the step's bytes cross faster than at ``rate``: at most the bare
+    loopback's calibrated bandwidth over ``rate`` (where this run calibrated it;
+    else 1000), and 1 where the rate is not shaped or the compute time is not
+    known. A real link of that rate has no bucket: this models the rig.
+    """
+    gbps, n = RATES[rate], res["procs"]
+    compute = _compute_s(res, name)
+    if gbps is None or not compute:
+        return 1.0
+    total = n * res["methods"][name]["sent_bytes"]
+    if total <= 0:
+        return 1.0
+    rate_bytes_s = gbps * 1e9 / 8
+    credit = min(TBF_BURST_BYTES, rate_bytes_s * compute, total)
+    cap = _link_model(res["link"], "unshaped", n)[0] * n / gbps if "unshaped" in res["link"] else 1000.0
+    return min(total / max(total - credit, 1e-9), max(cap, 1.0))
+
+
 def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[str, float]]:
     """``project_step_time`` (communication seconds) per method and rate, traced here.
 
@@ -488,6 +519,7 @@ def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[
         out[name] = {}
         for rate in res["link"]:
             gbps, lat_us = _link_model(res["link"], rate, n)
+            gbps *= _bucket_speedup(res, name, rate)
             floor_us = _call_floor_us(res["link"], rate) if algorithm == "gloo" else 0.0
             out[name][rate] = float(
                 jd.project_step_time(
@@ -809,7 +841,7 @@ def _quote(a: str) -> str:
 
 def _compute_s(res: dict[str, Any], name: str, compute: dict[str, Any] | None = None) -> float | None:
     """The compute-only median of ``name``: its own entry, or (saved by older versions) a separate run's."""
-    if "compute" in res["methods"][name]:
+    if "compute" in res["methods"].get(name, {}):
         return res["methods"][name]["compute"]["median_s"]
     old = (compute or {}).get("methods", {}).get(name, {}).get("rates", {}).get("unshaped", {})
     return old.get("median_s")
