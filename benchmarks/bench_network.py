@@ -355,6 +355,37 @@ def _calibrate(
     return link
 
 
+def _start_distributed(jax: Any, args: argparse.Namespace) -> bool:
+    """gloo CPU collectives, and ``jax.distributed`` where a coordinator is given; True if started."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.coordinator is None:
+        return False
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+    )
+    return True
+
+
+def _time_method(
+    steps: dict[str, Callable[[], None]], rates: list[str], enter: Callable[[str], None], repeats: int
+) -> dict[str, Any]:
+    """Compiles and times one method's ``steps["linked"]`` at each rate and ``steps["alone"]`` unlinked.
+
+    Returns ``compile_s`` (the linked step's compile and first step),
+    ``compute`` (the unlinked timing; the linked one where there is no
+    ``"alone"`` step) and ``rates`` (rate -> timing).
+    """
+    enter("unshaped")
+    t0 = time.perf_counter()
+    steps["linked"]()
+    compile_s = time.perf_counter() - t0
+    alone = steps.get("alone", steps["linked"])
+    alone()
+    runs = [("compute", "unshaped", alone)] + [(rate, rate, steps["linked"]) for rate in rates]
+    timed = _time_rounds(runs, enter, repeats)
+    return {"compile_s": compile_s, "compute": timed.pop("compute"), "rates": timed}
+
+
 def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
     """Times every selected method at every rate, and with no link; returns process 0's results.
 
@@ -372,24 +403,27 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     import jaxopt_dist as jd
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    distributed = args.coordinator is not None
-    if distributed:
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
-        )
+    distributed = _start_distributed(jax, args)
     me = jax.process_index()
     world = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
     alone = jax.make_mesh((1,), ("data",), devices=jax.local_devices()[:1])
     world_n = world.shape["data"]
     rates = args.rates if args.shape else ["unshaped"]
     psum, ones = _world_ops(jax, np, world)
-    one_each = ones(1)
+    one_each, bucketful = ones(1), ones(TBF_BURST_BYTES // 4)
 
-    def enter(rate: str) -> None:  # every process at the same point, the link at `rate`
+    def enter(rate: str) -> None:
+        """Every process at the same point, the link at ``rate`` with an empty token bucket.
+
+        ``tc qdisc replace`` starts a full bucket, which would carry the next
+        few steps unpaced (block-k at 100 Mbit/s: 24, 28, 54 ms, then 72 ms a
+        step, its wire time); each worker all-reducing a bucketful empties it.
+        """
         if args.shape and me == 0:
             set_rate(rate)
         jax.block_until_ready(psum(one_each))
+        if args.shape and RATES[rate] is not None:
+            jax.block_until_ready(psum(bucketful))
 
     link = _calibrate(jax, psum, ones, rates, enter, args.calibration_mb)
     if args.verbose:
@@ -402,23 +436,13 @@ def run_jax_worker(args: argparse.Namespace) -> dict[str, Any]:
     for name in [m for m in args.methods if m in table]:
         label, make = table[name]
         tx = optax.chain(make(), jd.sgd(LR, momentum=MOMENTUM))
-        enter("unshaped")
-        t0 = time.perf_counter()
-        linked = functools.partial(_update_step(jax, optax, jd, tx, params, world), grads)
-        linked()  # compile + first step
-        compile_s = time.perf_counter() - t0
-        local = linked
-        if world_n > 1:
-            local = functools.partial(_update_step(jax, optax, jd, tx, params, alone), grads_alone)
-            local()
-        runs = [("compute", "unshaped", local)] + [(rate, rate, linked) for rate in rates]
-        timed = _time_rounds(runs, enter, args.repeats)
+        steps = {"linked": functools.partial(_update_step(jax, optax, jd, tx, params, world), grads)}
+        if world_n > 1:  # (with one process the linked step has no link)
+            steps["alone"] = functools.partial(_update_step(jax, optax, jd, tx, params, alone), grads_alone)
         results[name] = {
             "label": label,
             "sent_bytes": jd.communication_cost(tx, params, axis_size=world_n).sent_bytes,
-            "compile_s": compile_s,
-            "compute": timed.pop("compute"),
-            "rates": timed,
+            **_time_method(steps, rates, enter, args.repeats),
         }
         if args.verbose:
             ms = {k: round(v["median_s"] * 1e3, 1) for k, v in results[name]["rates"].items()}
@@ -1175,11 +1199,7 @@ def run_e2e_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     import jaxopt_dist as jd
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if args.coordinator is not None:
-        jax.distributed.initialize(
-            coordinator_address=args.coordinator, num_processes=args.num_processes, process_id=args.process_id
-        )
+    _start_distributed(jax, args)
     me = jax.process_index()
     mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
     n = mesh.shape["data"]
