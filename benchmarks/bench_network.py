@@ -598,13 +598,14 @@ def run_torch_worker(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(me)
     gs = [torch.randn(_torch_shape(s), generator=gen) * 1e-2 for s in shapes]
 
-    def barrier() -> None:
-        dist.barrier()
+    bucketful = torch.ones(TBF_BURST_BYTES // 4)
 
-    def enter(rate: str) -> None:
+    def enter(rate: str) -> None:  # as run_jax_worker's: the bucket emptied
         if args.shape and me == 0:
             set_rate(rate)
-        barrier()
+        dist.barrier()
+        if args.shape and RATES[rate] is not None:
+            dist.all_reduce(bucketful)
 
     results: dict[str, Any] = {}
     for name in [m for m in args.torch_methods if m in TORCH_METHODS]:
@@ -628,12 +629,7 @@ def run_torch_worker(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(3):  # DDP's first step builds its buckets; PowerSGD starts at step 2
             one()
         buckets = model._get_ddp_logging_data().get("num_buckets_reduced", None)
-        per_rate = {}
-        for rate in rates:
-            enter(rate)
-            one()
-            med, times = _median_time(one, args.repeats)
-            per_rate[rate] = {"median_s": med, "times_s": times}
+        per_rate = _time_rounds([(rate, rate, one) for rate in rates], enter, args.repeats)
         results[name] = {"label": TORCH_LABELS[name], "rates": per_rate, "buckets": buckets}
     if args.shape and me == 0:
         set_rate("unshaped")
