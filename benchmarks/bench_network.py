@@ -44,8 +44,8 @@ pool sizes itself to that core. Unpinned (``--pin none``) the kernel moves
 every worker's threads over every core: a worker's multi-threaded kernels
 then run on the core the other worker is computing on, and a small-message
 step took 1.5x as long as pinned with no link at all (PowerSGD rank 1, 2
-processes, unshaped loopback: 71 ms against 46 ms). Cluster runs (``--coordinator``) are not
-pinned.
+processes, unshaped loopback: 71 ms against 46 ms). Cluster runs
+(``--coordinator``) are not pinned.
 
 Columns, per rate:
 
