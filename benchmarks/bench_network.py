@@ -69,9 +69,9 @@ Columns, per rate:
   4 ms for any collective of more than one element here); at a shaped rate
   both count the token bucket (:func:`_bucket_speedup`: up to 2 MiB of a
   step's bytes, refilled during its compute, cross unpaced, which a real link
-  of that rate would not do); the projections
-  are traced in the launching process when the table is printed, so
-  ``--from-json`` reprints a saved run with the current model;
+  of that rate would not do); the projections are traced in the launching
+  process when the table is printed, so ``--from-json`` reprints a saved run
+  with the current model;
 * ``gloo/meas``: ``proj gloo`` over ``s/step``.
 
 The torch rows give ``s/step`` and ``x dense`` only.
@@ -518,13 +518,13 @@ def _bucket_speedup(res: dict[str, Any], name: str, rate: str) -> float:
     return min(total / max(total - credit, 1e-9), max(cap, 1.0))
 
 
-def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[str, float]]:
-    """``project_step_time`` (communication seconds) per method and rate, traced here.
+def traced_costs(res: dict[str, Any]) -> dict[str, Any]:
+    """``communication_cost`` of every method of ``res``, traced here as the workers traced it.
 
     Imports JAX in this (the launching) process, after the timed runs. The
-    programs are traced as the workers traced them: with ``res["procs"]``
-    processes, where ``all_reduce()`` packs its leaves on CPU
-    (``flatten_by_default``), which this one process would not do.
+    programs are traced with ``res["procs"]`` processes, where
+    ``all_reduce()`` packs its leaves on CPU (``flatten_by_default``), which
+    this one process would not do.
     """
     _configure_jax(1)
     import jax
@@ -535,11 +535,27 @@ def projections(res: dict[str, Any], algorithm: str = "gloo") -> dict[str, dict[
 
     n, table = res["procs"], methods(jd, jnp)
     params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in resnet18_shapes(res["width"]).items()}
+    costs = {}
+    with unittest.mock.patch.object(jax, "process_count", lambda *a: n):
+        for name in res["methods"]:
+            tx = optax.chain(table[name][1](), jd.sgd(LR, momentum=MOMENTUM))
+            costs[name] = jd.communication_cost(tx, params, axis_size=n)
+    return costs
+
+
+def projections(
+    res: dict[str, Any], algorithm: str = "gloo", costs: dict[str, Any] | None = None
+) -> dict[str, dict[str, float]]:
+    """``project_step_time`` (communication seconds) per method and rate.
+
+    ``costs``: :func:`traced_costs` of ``res``, traced here when not given.
+    """
+    import jaxopt_dist as jd
+
+    costs = traced_costs(res) if costs is None else costs
+    n = res["procs"]
     out: dict[str, dict[str, float]] = {}
-    for name in res["methods"]:
-        tx = optax.chain(table[name][1](), jd.sgd(LR, momentum=MOMENTUM))
-        with unittest.mock.patch.object(jax, "process_count", lambda *a: n):
-            cost = jd.communication_cost(tx, params, axis_size=n)
+    for name, cost in costs.items():
         out[name] = {}
         for rate in res["link"]:
             gbps, lat_us = _link_model(res["link"], rate, n)
@@ -877,7 +893,8 @@ def print_tables(
     """
     n = res["procs"]
     rows = res["methods"]
-    ring, gloo = projections(res, "ring"), projections(res, "gloo")
+    costs = traced_costs(res)  # traced once, priced under both algorithms
+    ring, gloo = projections(res, "ring", costs), projections(res, "gloo", costs)
     print(f"\n{res['params']:,} float32 parameters (ResNet-18 CIFAR shapes), {n} processes, gloo; {note}")
     print(
         f"  compute s: the update with no link, timed by the {n} processes side by side, each on its own "
