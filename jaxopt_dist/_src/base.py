@@ -145,3 +145,125 @@ def split_flat(flat: jax.Array, leaves: Any, treedef: Any) -> Any:
         out.append(flat[offset : offset + size].reshape(x.shape).astype(x.dtype))
         offset += size
     return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------
+# Shared helpers with plain names (one definition each, used across modules).
+
+
+def axis_names(axis_name: AxisName) -> tuple[Any, ...]:
+    """``axis_name`` as a tuple of names (a single name becomes a 1-tuple)."""
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def abstract(tree: Any) -> Any:
+    """``tree`` with every leaf as a ``jax.ShapeDtypeStruct`` (shape and dtype only)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
+
+
+def check_bool(flag: Any, name: str) -> bool:
+    """``flag`` if it is a Python bool; else a ``TypeError`` naming the argument."""
+    if not isinstance(flag, bool):
+        raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
+    return flag
+
+
+def accumulation_dtype(dtype: Any) -> Any:
+    """The dtype sums are accumulated in: ``dtype`` promoted to at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def leaf_sizes(leaves: Any) -> list[int]:
+    """The number of entries of each leaf of ``leaves`` (a list or any pytree)."""
+    return [math.prod(np.shape(x)) for x in jax.tree.leaves(leaves)]
+
+
+def format_bytes(b: float) -> str:
+    """``b`` bytes in decimal units with four significant digits (``"1.5 MB"``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.4g} {unit}"
+    return f"{b:.4g} B"
+
+
+def no_params_message(name: str, why: str = "") -> str:
+    """The one error message for a transform called without the ``params`` it needs."""
+    reason = f" ({why})" if why else ""
+    return (
+        f"`{name}` needs `params`{reason}: call it as tx.update(updates, state, params), "
+        "e.g. as jaxopt_dist.data_parallel_step and optax.MultiSteps do."
+    )
+
+
+# ----------------------------------------------------------------------------
+# How per-worker state is regrouped for another number of workers (elastic resume).
+# Each state class says it next to its definition, with the decorator below;
+# :func:`jaxopt_dist.reshard_opt_state` reads the rules.
+
+REGROUP = "regroup"
+"""Rule: new worker ``j`` takes a weighted mean of the old workers' rows (the mean is conserved)."""
+
+REDERIVE_KEY = "rederive_key"
+"""Rule: per-worker PRNG keys are re-derived deterministically from worker 0's key."""
+
+RESHARD_RULES = (REGROUP, REDERIVE_KEY)
+
+_RESHARD: dict[type, dict[str, str]] = {}
+
+
+def register_reshard_rules(state_class: type, **fields: str) -> None:
+    """Records how the per-worker ``fields`` of ``state_class`` are regrouped.
+
+    Fields not named have no rule: where such a field comes out per-worker,
+    :func:`jaxopt_dist.reshard_opt_state` raises instead of guessing. A field
+    named ``key``, ``keys`` or ``rng`` holding PRNG keys is re-derived without
+    being named.
+    """
+    fields_of = getattr(state_class, "_fields", None)
+    if fields_of is None:
+        raise TypeError(f"{state_class!r} is not a NamedTuple state class.")
+    for field, rule in fields.items():
+        if field not in fields_of:
+            raise ValueError(f"{state_class.__name__} has no field {field!r} (fields: {fields_of}).")
+        if rule not in RESHARD_RULES:
+            raise ValueError(f"Unknown reshard rule {rule!r} for {field!r}; use one of {RESHARD_RULES}.")
+    _RESHARD[state_class] = dict(fields)
+
+
+def reshard_rules(**fields: str) -> Any:
+    """Class decorator: :func:`register_reshard_rules` next to the state's definition.
+
+    Every state class of the library carries it, with no arguments when none
+    of its fields is per-worker, so that a new state cannot leave the question
+    unanswered (a test checks every exported state class).
+
+    Examples:
+      >>> from typing import NamedTuple
+      >>> @reshard_rules(residual=REGROUP)
+      ... class MyState(NamedTuple):
+      ...     count: jax.Array
+      ...     residual: jax.Array
+      >>> reshard_rule(MyState, "residual")
+      'regroup'
+    """
+
+    def register(cls: Any) -> Any:
+        register_reshard_rules(cls, **fields)
+        return cls
+
+    return register
+
+
+def reshard_rule(state_class: type, field: str) -> str | None:
+    """The rule registered for ``state_class.field``, or None."""
+    return _RESHARD.get(state_class, {}).get(field)
+
+
+def has_reshard_rules(state_class: type) -> bool:
+    """Whether ``state_class`` has said how its per-worker fields reshard (even 'none')."""
+    return state_class in _RESHARD
+
+
+def reshard_rule_names() -> list[str]:
+    """``Class.field`` of every registered rule, for error messages."""
+    return sorted(f"{cls.__name__}.{field}" for cls, rules in _RESHARD.items() for field in rules)

@@ -15,8 +15,11 @@ The same code runs under ``jax.shard_map``, ``jax.pmap`` and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import jax
@@ -285,11 +288,77 @@ def _by_dtype(leaves: Sequence[jax.Array], op: Any) -> list[jax.Array]:
     return out
 
 
+# ----------------------------------------------------------------------------
+# Platform facts: where the traced program will run.
+
+
+_BACKENDS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """Where a traced program will run: the facts that choose how bytes are sent.
+
+    The collective layer reads them while tracing to pick an algorithm: the
+    16-bit ring on CPU (:func:`ring_sum_16bit`), and one packed buffer per
+    dtype for ``all_reduce()`` on CPU across processes
+    (:func:`flatten_by_default`). By default they describe this process
+    (``jax.default_backend()``, ``jax.process_count() > 1``); set them with
+    :func:`use_platform` (or ``communication_cost(..., platform=...)``) to
+    trace the program that another setup would run, e.g. the workers of a
+    multi-process CPU job from one launching process.
+
+    Attributes:
+      backend: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+      multi_process: whether the program spans several processes.
+    """
+
+    backend: str
+    multi_process: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"`backend` must be one of {_BACKENDS}; got {self.backend!r}.")
+        if not isinstance(self.multi_process, bool):
+            raise TypeError(f"`multi_process` must be a bool; got {self.multi_process!r}.")
+
+
+_PLATFORM: contextvars.ContextVar[Platform | None] = contextvars.ContextVar("jaxopt_dist_platform", default=None)
+
+
+def platform() -> Platform:
+    """The platform facts in force: those set by :func:`use_platform`, else this process's."""
+    chosen = _PLATFORM.get()
+    if chosen is not None:
+        return chosen
+    backend = jax.default_backend()
+    return Platform(backend if backend in _BACKENDS else "gpu", jax.process_count() > 1)
+
+
+@contextlib.contextmanager
+def use_platform(chosen: Platform | None) -> Iterator[Platform]:
+    """Traces inside the block as for ``chosen`` (None: this process's own facts).
+
+    Examples:
+      >>> import jaxopt_dist as jd
+      >>> with jd.use_platform(jd.Platform("cpu", multi_process=True)) as p:
+      ...     p.multi_process
+      True
+    """
+    if chosen is not None and not isinstance(chosen, Platform):
+        raise TypeError(f"`platform` must be a jaxopt_dist.Platform or None; got {chosen!r}.")
+    token = _PLATFORM.set(chosen)
+    try:
+        yield platform()
+    finally:
+        _PLATFORM.reset(token)
+
+
 def flatten_by_default() -> bool:
     """Whether :func:`reduce` packs the leaves into one buffer when not told.
 
-    True on CPU across processes (the default backend is CPU and
-    ``jax.process_count() > 1``). XLA's GPU and TPU compilers combine a
+    True on CPU across processes (:func:`platform`: backend ``"cpu"`` and
+    ``multi_process``). XLA's GPU and TPU compilers combine a
     step's all-reduces into large buffers by themselves. XLA:CPU merges them
     into one all-reduce of many operands but sends each operand over gloo as
     a call of its own, and the calls cost more than their bytes: ResNet-18's
@@ -299,7 +368,8 @@ def flatten_by_default() -> bool:
     gains nothing and XLA:CPU's multi-threaded concatenation can cost more
     than the reduction (a 5.3M-entry MLP: 0.87 s per step against 0.13 s).
     """
-    return jax.default_backend() == "cpu" and jax.process_count() > 1
+    facts = platform()
+    return facts.backend == "cpu" and facts.multi_process
 
 
 def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
@@ -315,7 +385,7 @@ def _use_ring(dtype: Any, bitcast_ring: bool | None) -> bool:
     if not (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2):
         return False
     if bitcast_ring is None:
-        return jax.default_backend() == "cpu"
+        return platform().backend == "cpu"
     return bitcast_ring
 
 
