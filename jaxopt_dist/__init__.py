@@ -20,7 +20,7 @@ from jaxopt_dist._src.aggregate import AverageParamsState, all_reduce, average_p
 from jaxopt_dist._src.averaging import IterateAverageState, averaged_params, iterate_average
 from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.choco import ChocoGossipState, choco_gossip
-from jaxopt_dist._src.comm import AlreadyReducedError, UnboundAxisError
+from jaxopt_dist._src.comm import AlreadyReducedError, Platform, UnboundAxisError, use_platform
 from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
@@ -101,6 +101,7 @@ __all__ = (
     "MasterWeightsState",
     "OnebitAdamState",
     "Placement",
+    "Platform",
     "PowerSGDState",
     "QSGDState",
     "RandomKState",
@@ -165,4 +166,5 @@ __all__ = (
     "spectral_gap",
     "threshold",
     "top_k",
+    "use_platform",
 )
