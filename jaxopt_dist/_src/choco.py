@@ -31,7 +31,7 @@ import optax
 
 from jaxopt_dist._src import base, comm
 from jaxopt_dist._src import error_feedback as ef
-from jaxopt_dist._src.topology import _check_shape, _check_topology, _check_weights, _plan, _Term
+from jaxopt_dist._src.topology import MixingTerm, check_shape, check_topology, check_weights, mixing_plan
 
 
 class ChocoGossipState(NamedTuple):
@@ -68,13 +68,7 @@ def _codec_of(compressor: Any) -> ef.Compressor:
     return comp
 
 
-def _coefficient(term: _Term, idx: jax.Array) -> Any:
-    if len(set(term.coeff)) == 1:
-        return term.coeff[0]
-    return jnp.asarray(np.asarray(term.coeff, np.float32))[idx]
-
-
-def _off_diagonal(terms: list[_Term], n: int, idx: jax.Array) -> Any:
+def _off_diagonal(terms: list[MixingTerm], n: int, idx: jax.Array) -> Any:
     """``sum_{j != i} W_ij`` for this worker."""
     total = np.zeros(n)
     for term in terms:
@@ -169,17 +163,15 @@ def choco_gossip(
     comp = _codec_of(compressor)
     codec = comp.codec
     assert codec is not None
-    topology = _check_topology(topology)
+    topology = check_topology(topology)
     if topology == "exponential":
         raise ValueError(
             "`choco_gossip` needs a fixed graph: `topology='exponential'` changes neighbours every "
             "step, and the public copies of a peer must see each of its messages. Use 'ring', "
             "'torus', 'complete' or a list of permutations."
         )
-    weights = _check_weights(weights, topology)
-    shape = _check_shape(shape)
-    if shape is not None and topology != "torus":
-        raise ValueError(f"`shape` only applies to topology='torus'; got topology={topology!r}.")
+    weights = check_weights(weights, topology)
+    shape = check_shape(shape, topology)
     base.check_hyperparameter(consensus_step, "consensus_step", lower=0.0, upper=1.0, lower_open=True)
     axis_name = base.validate_axis_name(axis_name)
 
@@ -197,7 +189,7 @@ def choco_gossip(
         n = comm.require_axis(axis_name, "choco_gossip")
         if params is None:
             raise ValueError("`choco_gossip` needs `params` in update(updates, state, params).")
-        _, terms = _plan(topology, n, weights=weights, shape=shape, step=0)
+        _, terms = mixing_plan(topology, n, weights=weights, shape=shape, step=0)
         idx = comm.axis_index(axis_name, caller="choco_gossip")
         x = jax.tree.map(lambda p, u, h: p.astype(h.dtype) + u.astype(h.dtype), params, updates, state.public)
         delta = jax.tree.map(jnp.subtract, x, state.public)
@@ -207,7 +199,7 @@ def choco_gossip(
         for term in terms:
             received = comm.ppermute_packed(message, axis_name, term.pairs, caller="choco_gossip")
             q_j = codec.decode(received, delta, state.compressor_state)
-            c = _coefficient(term, idx)
+            c = term.coefficient(idx)
             neighbours = jax.tree.map(
                 lambda s, d: s + jnp.asarray(c, s.dtype) * d.astype(s.dtype), neighbours, q_j
             )

@@ -23,12 +23,12 @@ import optax
 
 from jaxopt_dist._src import base, comm
 from jaxopt_dist._src.topology import (
-    _check_shape,
-    _check_topology,
-    _check_weights,
-    _num_rounds,
-    _plan,
-    _Term,
+    MixingTerm,
+    check_shape,
+    check_topology,
+    check_weights,
+    mixing_plan,
+    num_rounds,
 )
 
 # ----------------------------------------------------------------------------
@@ -63,12 +63,12 @@ def mixing_matrix(
       >>> round(spectral_gap(mixing_matrix("ring", 8)), 3)
       0.195
     """
-    topology = _check_topology(topology)
+    topology = check_topology(topology)
     n = base.check_positive_int(num_workers, "num_workers")
-    weights = _check_weights(weights, topology)
+    weights = check_weights(weights, topology)
     if isinstance(step, bool) or not isinstance(step, (numbers.Integral, np.integer)) or step < 0:
         raise TypeError(f"`step` must be a non-negative int; got {step!r}.")
-    w, _ = _plan(topology, n, weights=weights, shape=_check_shape(shape), step=int(step))
+    w, _ = mixing_plan(topology, n, weights=weights, shape=check_shape(shape), step=int(step))
     return w
 
 
@@ -107,7 +107,7 @@ class GossipState(NamedTuple):
 def _mix(
     updates: list[jax.Array],
     params: list[jax.Array],
-    terms: list[_Term],
+    terms: list[MixingTerm],
     gamma: Any,
     axis_name: base.AxisName,
     idx: jax.Array,
@@ -120,10 +120,7 @@ def _mix(
     acc = [jnp.zeros(u.shape, d) for u, d in zip(updates, cdt)]
     for term in terms:
         recv = comm.ppermute(local, axis_name, term.pairs, caller="gossip")
-        if len(set(term.coeff)) == 1:
-            c = term.coeff[0]
-        else:
-            c = jnp.asarray(np.asarray(term.coeff, np.float32))[idx]
+        c = term.coefficient(idx)
         acc = [a + c * (r.astype(d) - x.astype(d)) for a, r, x, d in zip(acc, recv, local, cdt)]
     out = [(u.astype(d) + jnp.asarray(gamma, d) * a).astype(u.dtype) for u, a, d in zip(updates, acc, cdt)]
     return comm.to_varying(out, axis_name)
@@ -228,12 +225,10 @@ def gossip(
       Ying et al., `Exponential Graph is Provably Efficient for Decentralized
       Deep Training <https://arxiv.org/abs/2110.13363>`_, 2021
     """
-    topology = _check_topology(topology)
+    topology = check_topology(topology)
     axis_name = base.validate_axis_name(axis_name)
-    weights = _check_weights(weights, topology)
-    shape = _check_shape(shape)
-    if shape is not None and topology != "torus":
-        raise ValueError(f"`shape` only applies to topology='torus'; got topology={topology!r}.")
+    weights = check_weights(weights, topology)
+    shape = check_shape(shape, topology)
     base.check_hyperparameter(gamma, "gamma", lower=0.0, upper=1.0, lower_open=True)
     if not isinstance(track_consensus, bool):
         raise TypeError(f"`track_consensus` must be a bool; got {track_consensus!r}.")
@@ -254,8 +249,8 @@ def gossip(
         p_leaves = treedef.flatten_up_to(params)
         g = base.resolve(gamma, state.count)
         idx = comm.axis_index(axis_name, caller="gossip")
-        rounds = _num_rounds(topology, n)
-        plans = [_plan(topology, n, weights=weights, shape=shape, step=t)[1] for t in range(rounds)]
+        rounds = num_rounds(topology, n)
+        plans = [mixing_plan(topology, n, weights=weights, shape=shape, step=t)[1] for t in range(rounds)]
         if rounds == 1:
             out = _mix(u_leaves, p_leaves, plans[0], g, axis_name, idx)
         else:

@@ -2,7 +2,8 @@
 
 Shared by :func:`jaxopt_dist.gossip` and :func:`jaxopt_dist.choco_gossip`.
 Everything here is static NumPy, evaluated at trace time once the number of
-workers is known; no collectives.
+workers is known; no collectives. (:meth:`MixingTerm.coefficient` picks this
+worker's weight out of a constant table.)
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_dist._src import base, comm
@@ -24,7 +27,7 @@ _TOL = 1e-6
 # Topologies and mixing matrices (NumPy, static).
 
 
-def _check_topology(topology: Any) -> str | tuple[tuple[tuple[int, int], ...], ...]:
+def check_topology(topology: Any) -> str | tuple[tuple[tuple[int, int], ...], ...]:
     """Validates ``topology`` at factory time; permutations come back as tuples."""
     if isinstance(topology, str):
         if topology not in _TOPOLOGIES:
@@ -55,12 +58,16 @@ def _check_topology(topology: Any) -> str | tuple[tuple[tuple[int, int], ...], .
     return tuple(perms)
 
 
-def _check_shape(shape: Any) -> tuple[int, int] | None:
+def check_shape(shape: Any, topology: Any = None) -> tuple[int, int] | None:
+    """Validates the torus ``shape`` at factory time; given ``topology``, refuses it for any other graph."""
     if shape is None:
         return None
     if not isinstance(shape, Sequence) or len(shape) != 2:
         raise TypeError(f"`shape` must be a pair (rows, cols) of ints; got {shape!r}.")
-    return (base.check_positive_int(shape[0], "shape[0]"), base.check_positive_int(shape[1], "shape[1]"))
+    shape = (base.check_positive_int(shape[0], "shape[0]"), base.check_positive_int(shape[1], "shape[1]"))
+    if topology is not None and topology != "torus":
+        raise ValueError(f"`shape` only applies to topology='torus'; got topology={topology!r}.")
+    return shape
 
 
 def _torus_shape(n: int, shape: tuple[int, int] | None) -> tuple[int, int]:
@@ -72,7 +79,7 @@ def _torus_shape(n: int, shape: tuple[int, int] | None) -> tuple[int, int]:
     return shape
 
 
-def _num_rounds(topology: Any, n: int) -> int:
+def num_rounds(topology: Any, n: int) -> int:
     """Number of distinct mixing matrices a topology cycles through."""
     if topology == "exponential" and n > 1:
         return (n - 1).bit_length()  # ceil(log2 n)
@@ -89,7 +96,7 @@ def _sources(topology: Any, n: int, shape: tuple[int, int] | None, step: int) ->
     if topology == "exponential":
         if n == 1:
             return []
-        return [(i - 2 ** (step % _num_rounds(topology, n))) % n]
+        return [(i - 2 ** (step % num_rounds(topology, n))) % n]
     if topology == "torus":
         rows, cols = _torus_shape(n, shape)
         r, c = i // cols, i % cols
@@ -154,23 +161,29 @@ def _weights_matrix(topology: Any, n: int, weights: Any, sources: list[np.ndarra
     return w
 
 
-class _Term(NamedTuple):
+class MixingTerm(NamedTuple):
     """One ppermute of the mixing: worker ``i`` receives ``x[src[i]]`` with weight ``coeff[i]``."""
 
     pairs: tuple[tuple[int, int], ...]
     coeff: tuple[float, ...]
 
+    def coefficient(self, idx: jax.Array) -> Any:
+        """This worker's weight (worker ``idx``): a Python float when all workers share it."""
+        if len(set(self.coeff)) == 1:
+            return self.coeff[0]
+        return jnp.asarray(np.asarray(self.coeff, np.float32))[idx]
 
-def _plan(
+
+def mixing_plan(
     topology: Any, n: int, *, weights: Any, shape: tuple[int, int] | None, step: int
-) -> tuple[np.ndarray, list[_Term]]:
+) -> tuple[np.ndarray, list[MixingTerm]]:
     """The mixing matrix at ``step`` and the ppermutes that apply it."""
     sources = _sources(topology, n, shape, step)
     w = _weights_matrix(topology, n, weights, sources)
     _check_doubly_stochastic(w, "The mixing matrix" if isinstance(weights, str) else "`weights`")
     left = w.copy()
     np.fill_diagonal(left, 0.0)
-    terms: list[_Term] = []
+    terms: list[MixingTerm] = []
     seen: set[tuple[int, ...]] = set()
     rows = np.arange(n)
     for src in sources:
@@ -183,7 +196,7 @@ def _plan(
         left[rows, src] = np.where(src == rows, left[rows, src], 0.0)
         if np.any(coeff != 0):
             pairs = tuple((int(s), int(d)) for d, s in enumerate(src))
-            terms.append(_Term(pairs, tuple(float(c) for c in coeff)))
+            terms.append(MixingTerm(pairs, tuple(float(c) for c in coeff)))
     if np.any(np.abs(left) > _TOL):
         bad = [(int(i), int(j)) for i, j in zip(*np.nonzero(np.abs(left) > _TOL))]
         raise ValueError(
@@ -193,7 +206,8 @@ def _plan(
     return w, terms
 
 
-def _check_weights(weights: Any, topology: Any) -> Any:
+def check_weights(weights: Any, topology: Any) -> Any:
+    """Validates ``weights`` at factory time; a matrix comes back as nested tuples of floats."""
     if isinstance(weights, str):
         if weights not in _WEIGHTS:
             raise ValueError(f"`weights` must be one of {_WEIGHTS} or an (n, n) matrix; got {weights!r}.")
