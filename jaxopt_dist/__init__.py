@@ -24,7 +24,6 @@ from jaxopt_dist._src.comm import AlreadyReducedError, Platform, UnboundAxisErro
 from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
-from jaxopt_dist._src.elastic import reshard_opt_state, reshard_params
 from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
@@ -41,16 +40,6 @@ from jaxopt_dist._src.optimizers import (
     scale_by_momentum,
     sgd,
     sign_sgd,
-)
-from jaxopt_dist._src.parallel import (
-    DataParallelStep,
-    Placement,
-    data_parallel_step,
-    init_opt_state,
-    opt_state_placement,
-    opt_state_specs,
-    place_opt_state,
-    place_params,
 )
 from jaxopt_dist._src.powersgd import PowerSGDState, compressed_leaves, powersgd
 from jaxopt_dist._src.precision import (
@@ -71,6 +60,15 @@ from jaxopt_dist._src.sparsify import (
     random_k,
     threshold,
     top_k,
+)
+from jaxopt_dist._src.training.elastic import reshard_opt_state, reshard_params
+from jaxopt_dist._src.training.placement import Placement, opt_state_placement, opt_state_specs
+from jaxopt_dist._src.training.step import (
+    DataParallelStep,
+    data_parallel_step,
+    init_opt_state,
+    place_opt_state,
+    place_params,
 )
 from jaxopt_dist._src.wrappers import mean_value
 

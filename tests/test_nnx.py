@@ -218,7 +218,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="jaxopt_dist.nnx.Optimizer"):
         step(model, plain, _metrics(), _batch(0, 4))
     local = jnnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-    with pytest.raises(ValueError, match="Aggregate in the chain"):
+    with pytest.raises(ValueError, match="(?i)aggregate in the chain"):
         step(model, local, _metrics(), _batch(0, 4))
     opt = jnnx.Optimizer(model, optax.chain(jd.all_reduce(), optax.sgd(0.1)), wrt=nnx.Param)
     with pytest.raises(ValueError, match="divisible by the 2 workers"):

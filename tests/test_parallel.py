@@ -296,13 +296,13 @@ def test_cpu_meshes_bound_the_steps_in_flight():
     mesh = helpers.make_mesh(8)
     tx = optax.chain(jd.sgd(0.05, 0.9), jd.gossip("ring", track_consensus=True))
     step = jd.data_parallel_step(loss_fn, tx, mesh=mesh, per_worker_params=True)
-    assert step._in_flight_limit() == 4
+    assert step.in_flight_limit() == 4
     params, st = step.init(_params())
     data = _data()
     for _ in range(300):  # never read back inside the loop
         params, st, metrics = step(params, st, data)
     assert np.isfinite(float(metrics["loss"]))
     explicit = jd.data_parallel_step(loss_fn, tx, mesh=mesh, per_worker_params=True, max_steps_in_flight=2)
-    assert explicit._in_flight_limit() == 2
+    assert explicit.in_flight_limit() == 2
     with pytest.raises(ValueError, match=r"`max_steps_in_flight` must be an int >= 1"):
         jd.data_parallel_step(loss_fn, tx, mesh=mesh, max_steps_in_flight=0)

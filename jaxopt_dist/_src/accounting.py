@@ -50,7 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxopt_dist._src import base, comm, compat, parallel
+from jaxopt_dist._src import base, comm, compat
+from jaxopt_dist._src.training import layout, placement
 
 P = jax.sharding.PartitionSpec
 
@@ -686,16 +687,14 @@ def _trace_on(
     s_abs = jax.eval_shape(tx.init, p_abs)
     s_leaves, s_def = jax.tree.flatten(s_abs)
     try:
-        placement = parallel._trace_placement(
-            tx, p_abs, mesh=mesh, axis_name=axis_name, per_worker_params=False
-        )
-        per_worker_params = bool(placement.updates_per_worker)
+        found = placement.trace_placement(tx, p_abs, mesh=mesh, axis_name=axis_name, per_worker_params=False)
+        per_worker_params = bool(found.updates_per_worker)
         if per_worker_params:
-            placement = parallel._trace_placement(
+            found = placement.trace_placement(
                 tx, p_abs, mesh=mesh, axis_name=axis_name, per_worker_params=True
             )
-        mask = s_def.flatten_up_to(placement.per_worker)
-        leaf_specs = s_def.flatten_up_to(parallel._leaf_specs(placement, axis_name))
+        mask = s_def.flatten_up_to(found.per_worker)
+        leaf_specs = s_def.flatten_up_to(placement.leaf_specs(found, axis_name))
     except Exception:
         # Untypable under check_vma (see below): treat the state as replicated.
         per_worker_params = False
@@ -712,7 +711,7 @@ def _trace_on(
     # residual kept once per slow group on a 2-D mesh).
     s_in = [
         jax.ShapeDtypeStruct(
-            (parallel._spec_size(mesh, sp), *x.shape), x.dtype, sharding=jax.sharding.NamedSharding(mesh, sp)
+            (layout.spec_size(mesh, sp), *x.shape), x.dtype, sharding=jax.sharding.NamedSharding(mesh, sp)
         )
         if m
         else keep(x)
@@ -725,7 +724,7 @@ def _trace_on(
         s = jax.tree.unflatten(s_def, [x[0] if m else x for x, m in zip(s, mask)])
         if per_worker_params:
             p = jax.tree.map(lambda x: x[0], p)
-        _, s2 = tx.update(g, s, p, **parallel._dummy_extras(p, axis_name))
+        _, s2 = tx.update(g, s, p, **placement.dummy_extras(p, axis_name))
         return [x[None] if m else x for x, m in zip(s_def.flatten_up_to(s2), mask)]
 
     s_spec = [sp if m else P() for m, sp in zip(mask, leaf_specs)]

@@ -1,13 +1,15 @@
 r"""Elastic resume: optimizer state regrouped for a different number of workers.
 
 A checkpoint written by ``n`` workers holds per-worker state stacked along a
-leading axis of size ``n`` (see :mod:`jaxopt_dist._src.parallel`). To resume on
+leading axis of size ``n`` (see :mod:`jaxopt_dist._src.training.layout`). To resume on
 ``m`` workers, :func:`reshard_opt_state` regroups it on the host.
 
 Which leaves are per-worker is not guessed from shapes: it is read off one
 abstract update under ``jax.shard_map`` (the placement machinery of
 :func:`jaxopt_dist.opt_state_placement`). What each per-worker leaf *means* is
-read from the state class and field holding it, and each kind has its rule:
+read from the state class and field holding it: each state class registers
+the rules of its per-worker fields next to its definition
+(``@base.reshard_rules(residual=base.REGROUP)``), and each kind has its rule:
 
 * replicated leaves (counters, momentum after an all-reduce, PowerSGD's
   warm-start ``q``, shared PRNG keys) are copied;
@@ -47,27 +49,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxopt_dist._src import averaging, base, error_feedback, optimizers, parallel, precision
+from jaxopt_dist._src import base
+from jaxopt_dist._src.training import placement
 
-_REGROUP = "regroup"
-_KEY = "key"
+# optax's own states: their rules are recorded here, the library's next to each class.
+base.register_reshard_rules(optax.MultiStepsState, acc_grads=base.REGROUP)
+base.register_reshard_rules(optax.TraceState, trace=base.REGROUP)
+base.register_reshard_rules(optax.ScaleByAdamState, mu=base.REGROUP, nu=base.REGROUP)
 
-# (state class, field) -> rule, for fields whose per-worker leaves can be regrouped.
-_FIELDS: dict[tuple[type, str], str] = {
-    (error_feedback.ErrorFeedbackState, "residual"): _REGROUP,
-    (optax.MultiStepsState, "acc_grads"): _REGROUP,
-    (optimizers.ScaleByMomentumState, "momentum"): _REGROUP,
-    (optimizers.ScaleByRmsState, "nu"): _REGROUP,
-    (optimizers.ScaleByAdagradState, "sum_of_squares"): _REGROUP,
-    (optimizers.ScaleByAdamState, "mu"): _REGROUP,
-    (optimizers.ScaleByAdamState, "nu"): _REGROUP,
-    (optimizers.ScaleByAdamState, "nu_max"): _REGROUP,
-    (optax.TraceState, "trace"): _REGROUP,
-    (optax.ScaleByAdamState, "mu"): _REGROUP,
-    (optax.ScaleByAdamState, "nu"): _REGROUP,
-    (averaging.IterateAverageState, "average"): _REGROUP,
-    (precision.MasterWeightsState, "master"): _REGROUP,
-}
 _KEY_FIELDS = ("key", "keys", "rng")
 
 
@@ -134,7 +123,7 @@ def _labels(state: Any) -> Any:
         cls = type(node)
         out = []
         for field in node._fields:
-            rule = _FIELDS.get((cls, field)) or (_KEY if field in _KEY_FIELDS else None)
+            rule = base.reshard_rule(cls, field) or (base.REDERIVE_KEY if field in _KEY_FIELDS else None)
             inner = ctx if rule is None and ctx.rule is not None else _Label(cls.__name__, field, rule)
             out.append(walk(getattr(node, field), inner))
         return cls(*out)
@@ -178,10 +167,10 @@ def _as_structure(raw: Any, template: Any) -> list[Any]:
 
 
 def _placement(tx: Any, params: Any, axis_name: base.AxisName, per_worker_params: bool) -> Any:
-    names: tuple[Any, ...] = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    names = base.axis_names(axis_name)
     sizes = (2,) + (1,) * (len(names) - 1)
     mesh = jax.sharding.AbstractMesh(sizes, names)
-    return parallel.opt_state_placement(
+    return placement.opt_state_placement(
         tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
     ).per_worker
 
@@ -243,9 +232,7 @@ def reshard_opt_state(
     """
     m = base.check_positive_int(num_workers, "num_workers")
     axis_name = base.validate_axis_name(axis_name)
-    local = jax.eval_shape(
-        tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
-    )
+    local = jax.eval_shape(tx.init, base.abstract(params))
     mask = jax.tree.leaves(_placement(tx, params, axis_name, bool(per_worker_params)))
     labels = jax.tree.leaves(_labels(local), is_leaf=lambda x: isinstance(x, _Label))
     leaves = _as_structure(opt_state, local)
@@ -293,12 +280,12 @@ def _reshard_leaf(x: Any, want: Any, per_worker: bool, label: _Label, path: str,
     x = _host(x)
     if not per_worker:
         return x
-    if label.rule == _REGROUP:
+    if label.rule == base.REGROUP:
         try:
             return _regroup(x, m)
         except ValueError as e:
             raise ValueError(f"`opt_state` leaf {path} ({label.owner}.{label.field}): {e}.") from None
-    if label.rule == _KEY and (
+    if label.rule == base.REDERIVE_KEY and (
         jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or (x.dtype == np.uint32 and x.shape[-1:] == (2,))
     ):
         return _rederive_keys(x, m)
@@ -306,7 +293,7 @@ def _reshard_leaf(x: Any, want: Any, per_worker: bool, label: _Label, path: str,
     raise ValueError(
         f"`opt_state` leaf {path} ({where}) is per-worker, and there is no rule to regroup it from "
         f"{n} to {m} workers without changing what it means. Supported per-worker fields: "
-        + ", ".join(sorted({f"{c.__name__}.{f}" for c, f in _FIELDS}))
+        + ", ".join(base.reshard_rule_names())
         + " and per-worker PRNG keys."
     )
 

@@ -30,11 +30,9 @@ This module imports flax; ``import jaxopt_dist`` does not.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import jax
@@ -43,7 +41,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxopt_dist._src import base, comm, parallel
+from jaxopt_dist._src import base, comm
+from jaxopt_dist._src.training import layout, placement, replicas, runner
 
 P = jax.sharding.PartitionSpec
 BatchStats = Literal["sync", "per_worker"]
@@ -52,33 +51,6 @@ _BATCH_STATS = ("sync", "per_worker")
 # Metrics whose state is a sum over examples: the global value is the old one
 # plus the sum of every worker's increment.
 _ADDITIVE_METRICS = (nnx.metrics.Average, nnx.metrics.MultiMetric)
-
-
-class _Trace:
-    """Per-worker copies of replicated values made by the step being traced."""
-
-    def __init__(self) -> None:
-        self.originals: dict[int, tuple[Any, Any]] = {}
-
-    def copy(self, replicated: Any, per_worker: Any) -> Any:
-        self.originals[id(per_worker)] = (per_worker, replicated)
-        return per_worker
-
-    def original(self, x: Any) -> Any | None:
-        hit = self.originals.get(id(x))
-        return None if hit is None or hit[0] is not x else hit[1]
-
-
-_ACTIVE: list[_Trace] = []
-
-
-@contextlib.contextmanager
-def _tracing(trace: _Trace) -> Iterator[_Trace]:
-    _ACTIVE.append(trace)
-    try:
-        yield trace
-    finally:
-        _ACTIVE.pop()
 
 
 class Optimizer(nnx.Optimizer):
@@ -111,15 +83,10 @@ class Optimizer(nnx.Optimizer):
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> optax.Updates:
         """Steps ``tx`` with ``grads`` and writes the new parameters into ``model``."""
-        if not _ACTIVE:
+        copies = replicas.active()
+        if copies is None:
             return super().update(model, grads, **kwargs)
-        trace = _ACTIVE[-1]
-
-        def replicated(x):
-            original = trace.original(x)
-            return x if original is None else original
-
-        params = jax.tree.map(replicated, nnx.as_pure(nnx.state(model, self.wrt)))
+        params = replicas.replicated(nnx.as_pure(nnx.state(model, self.wrt)), copies)
         grad_arrays = nnx.as_pure(nnx.state(grads, self.wrt))
         updates, new_opt_state = self.tx.update(
             grad_arrays, nnx.as_pure(self.opt_state), params, **nnx.as_pure(kwargs)
@@ -186,14 +153,20 @@ class DataParallel:
     axis_name: base.AxisName
     batch_stats: BatchStats
     max_steps_in_flight: int | None = None
-    _cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
     # Per-worker running statistics: path -> (average written into the model, stacked copies).
     _worker_stats: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
-    _in_flight: collections.deque[Any] = dataclasses.field(default_factory=collections.deque, repr=False)
+    _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._runner = runner.StepRunner(self.mesh, self.axis_name, self.max_steps_in_flight)
 
     @property
     def num_workers(self) -> int:
-        return parallel._mesh_axis_size(self.mesh, self.axis_name)
+        return self._runner.num_workers
+
+    def in_flight_limit(self) -> int | None:
+        """How many dispatched steps may run ahead of the host (None: unbounded)."""
+        return self._runner.in_flight_limit()
 
     # -- layout -------------------------------------------------------------
 
@@ -202,19 +175,12 @@ class DataParallel:
         opt_per_worker: dict[tuple[Any, ...], tuple[bool, tuple[int, ...]]] = {}
         for path, node in nnx.iter_graph(nodes):
             if isinstance(node, Optimizer):
-                placement = parallel.opt_state_placement(
+                found = placement.replicated_params_placement(
                     node.tx, node.abstract_params(), mesh=self.mesh, axis_name=self.axis_name
                 )
-                if placement.updates_per_worker:
-                    raise ValueError(
-                        "The optimizer's updates differ between workers, so the replicated "
-                        "parameters would drift apart. Aggregate in the chain, e.g. optax.chain("
-                        "jaxopt_dist.all_reduce(), optax.adamw(...)) or optax.chain("
-                        "jaxopt_dist.powersgd(rank=2), optax.adamw(...))."
-                    )
                 prefix = (*tuple(path), "opt_state")
                 local = jax.eval_shape(node.tx.init, node.abstract_params())
-                masks = jax.tree_util.tree_flatten_with_path(placement.per_worker)[0]
+                masks = jax.tree_util.tree_flatten_with_path(found.per_worker)[0]
                 for (keypath, mask), x in zip(masks, jax.tree.leaves(local)):
                     opt_per_worker[(*prefix, *map(_key_name, keypath))] = (mask, tuple(x.shape))
         missing = [p for p in opt_per_worker if p not in paths]
@@ -234,15 +200,15 @@ class DataParallel:
     def _stack_inputs(self, values: list[Any], leaves: list[_Leaf]) -> list[Any]:
         """Per-worker leaves as stacked arrays (worker ``i`` owns row ``i``)."""
         n = self.num_workers
-        sharded = jax.sharding.NamedSharding(self.mesh, parallel._spec(self.axis_name))
+        sharded = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
         out = []
         for x, leaf in zip(values, leaves):
             if leaf.per_worker:
                 if leaf.kind == "batch_stat":
                     kept = self._worker_stats.get(leaf.path)
-                    x = kept[1] if kept is not None and kept[0] is x else parallel._stacked(x, n, sharded)
+                    x = kept[1] if kept is not None and kept[0] is x else layout.stacked(x, n, sharded)
                 elif np.shape(x) == leaf.local_shape:
-                    x = parallel._stacked(x, n, sharded)
+                    x = layout.stacked(x, n, sharded)
             out.append(x)
         return out
 
@@ -252,7 +218,7 @@ class DataParallel:
         axis_name, fn, sync = self.axis_name, self.fn, self.batch_stats == "sync"
 
         def body(values, batch):
-            trace = _Trace()
+            trace = replicas.ReplicaCopies()
             inside = []
             for x, leaf in zip(values, leaves):
                 if leaf.per_worker:
@@ -271,7 +237,7 @@ class DataParallel:
             args, node_iter, batch_iter = [], iter(nodes), iter(batch)
             for i in range(nargs):
                 args.append(next(batch_iter) if i in batch_pos else next(node_iter))
-            with _tracing(trace):
+            with replicas.tracing(trace):
                 out = fn(*args)
             new_values, new_treedef = jax.tree.flatten(nnx.as_pure(nnx.state(nodes)))
             if new_treedef != treedef:
@@ -283,14 +249,12 @@ class DataParallel:
                 _finish(old, mine, new, leaf, trace, axis_name)
                 for old, mine, new, leaf in zip(values, inside, new_values, leaves)
             ]
-            return outs, jax.tree.map(functools.partial(_replicated_output, axis_name=axis_name), out)
+            return outs, jax.tree.map(functools.partial(replicas.replicated_output, axis_name=axis_name), out)
 
         return body
 
-    def _build(
-        self, key: Any, graphdef: Any, treedef: Any, leaves: list[_Leaf], batch: Any, batch_pos, nargs
-    ):
-        spec = parallel._spec(self.axis_name)
+    def _build(self, graphdef: Any, treedef: Any, leaves: list[_Leaf], batch: Any, batch_pos, nargs):
+        spec = layout.data_spec(self.axis_name)
         v_spec = [spec if leaf.per_worker else P() for leaf in leaves]
         b_spec = jax.tree.map(lambda _: spec, batch)
         fn = jax.shard_map(
@@ -311,8 +275,7 @@ class DataParallel:
 
         shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
         shardings = ([shard(s) for s in v_spec], jax.tree.map(shard, b_spec))
-        self._cache[key] = (jax.jit(step), shardings)
-        return self._cache[key]
+        return jax.jit(step), shardings
 
     def __call__(self, *args: Any) -> Any:
         nargs = len(args)
@@ -320,9 +283,8 @@ class DataParallel:
         batch_pos = [i for i in range(nargs) if i not in node_pos]
         nodes = tuple(args[i] for i in node_pos)
         batch = [args[i] for i in batch_pos]
-        parallel.check_batch(
+        self._runner.check_batch(
             batch,
-            self.num_workers,
             hint=" Every array argument is split across workers: pass models, optimizers, metrics "
             "and nnx.Rngs as NNX objects.",
         )
@@ -334,23 +296,21 @@ class DataParallel:
         values, treedef = jax.tree.flatten(nnx.as_pure(state))
         if len(values) != len(variables):  # pragma: no cover - guards flax internals
             raise ValueError("Unexpected NNX state layout.")
-        layout_key = ("layout", graphdef, treedef)
-        leaves = self._cache.get(layout_key)
-        if leaves is None:
-            leaves = self._cache[layout_key] = self._layout(nodes, variables, paths)
+        leaves = self._runner.cached(
+            ("layout", graphdef, treedef), lambda: self._layout(nodes, variables, paths)
+        )
         values = self._stack_inputs(values, leaves)
-        key = (
-            graphdef,
-            treedef,
-            tuple(batch_pos),
-            jax.tree.structure(batch),
-            tuple((np.shape(x), str(jnp.result_type(x))) for x in [*values, *jax.tree.leaves(batch)]),
+        key = (graphdef, treedef, tuple(batch_pos), runner.shape_key((values, batch)))
+        jitted, shardings = self._runner.cached(
+            key, lambda: self._build(graphdef, treedef, leaves, batch, batch_pos, nargs)
         )
-        jitted, shardings = self._cache.get(key) or self._build(
-            key, graphdef, treedef, leaves, batch, batch_pos, nargs
-        )
-        values, batch = jax.device_put((values, batch), shardings)
-        new_values, means, out = jitted(values, batch)
+        new_values, means, out = self._runner.dispatch(jitted, (values, batch), shardings, batch=1)
+        self._write_back(nodes, treedef, new_values, means, leaves)
+        self._runner.throttle((out, new_values))
+        return out
+
+    def _write_back(self, nodes: Any, treedef: Any, new_values: list[Any], means: list[Any], leaves) -> None:
+        """Writes the step's new state into the NNX objects; per-worker statistics as their mean."""
         written = []
         for x, mean, leaf in zip(new_values, means, leaves):
             if mean is not None:
@@ -358,21 +318,11 @@ class DataParallel:
                 x = mean
             written.append(x)
         nnx.update(nodes, jax.tree.unflatten(treedef, written))
-        self._wait(out, new_values)
-        return out
-
-    def _wait(self, out: Any, new_values: list[Any]) -> None:
-        limit = self.max_steps_in_flight
-        if limit is None and all(d.platform == "cpu" for d in self.mesh.devices.flat):
-            limit = parallel._CPU_STEPS_IN_FLIGHT  # XLA:CPU collectives can deadlock when queued
-        if limit is None:
-            return
-        self._in_flight.append((out, new_values))
-        if len(self._in_flight) > limit:
-            jax.block_until_ready(self._in_flight.popleft())
 
 
-def _finish(old: Any, mine: Any, new: Any, leaf: _Leaf, trace: _Trace, axis_name: base.AxisName) -> Any:
+def _finish(
+    old: Any, mine: Any, new: Any, leaf: _Leaf, trace: replicas.ReplicaCopies, axis_name: base.AxisName
+) -> Any:
     """One state leaf after the step, typed as its placement requires."""
     if leaf.per_worker:
         return comm.to_varying(new, axis_name)[None]
@@ -400,17 +350,6 @@ def _finish(old: Any, mine: Any, new: Any, leaf: _Leaf, trace: _Trace, axis_name
     raise ValueError(
         f"The state {_path_str(leaf.path)} ({leaf.kind}) comes out of the step different on each "
         "worker, and a data-parallel step keeps it replicated. Compute it from replicated values."
-    )
-
-
-def _replicated_output(x: Any, *, axis_name: base.AxisName) -> Any:
-    if not comm.is_varying(x, axis_name):
-        return x
-    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
-        return comm.pmean(x, axis_name)
-    raise ValueError(
-        f"The step returns a per-worker {jnp.result_type(x)} value; only floating-point outputs "
-        "are averaged over workers. Return floats or replicated values."
     )
 
 
@@ -477,11 +416,9 @@ def data_parallel(
     axis_name = base.validate_axis_name(axis_name)
     if batch_stats not in _BATCH_STATS:
         raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
-    parallel.check_mesh(mesh, axis_name)
-    if max_steps_in_flight is not None:
-        max_steps_in_flight = base.check_positive_int(max_steps_in_flight, "max_steps_in_flight")
-
-    auto = parallel.auto_axes(mesh)
+    layout.check_mesh(mesh, axis_name)
+    max_steps_in_flight = runner.check_max_steps_in_flight(max_steps_in_flight)
+    auto = layout.auto_axes(mesh)
 
     def wrap(f: Callable[..., Any]) -> DataParallel:
         if not callable(f):

@@ -24,7 +24,6 @@ This module imports flax; ``import jaxopt_dist`` does not.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
@@ -35,8 +34,8 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-from jaxopt_dist._src import base, comm, parallel
-from jaxopt_dist._src.nnx import _ACTIVE, _replicated_output, _Trace, _tracing
+from jaxopt_dist._src import base, comm
+from jaxopt_dist._src.training import layout, placement, replicas, runner
 
 P = jax.sharding.PartitionSpec
 _BATCH_STATS = ("sync", "per_worker")
@@ -58,15 +57,10 @@ class TrainState(train_state.TrainState):
 
     def apply_gradients(self, *, grads: Any, **kwargs: Any) -> TrainState:
         """Steps ``tx``; inside :func:`data_parallel`, on the replicated parameters."""
-        if not _ACTIVE:
+        copies = replicas.active()
+        if copies is None:
             return super().apply_gradients(grads=grads, **kwargs)
-        trace = _ACTIVE[-1]
-
-        def replicated(x):
-            original = trace.original(x)
-            return x if original is None else original
-
-        params = jax.tree.map(replicated, self.params)
+        params = replicas.replicated(self.params, copies)
         updates, new_opt_state = self.tx.update(grads, self.opt_state, params)
         return self.replace(
             step=self.step + 1,
@@ -88,32 +82,32 @@ class DataParallelTrainState:
     mesh: jax.sharding.Mesh
     axis_name: base.AxisName
     batch_stats: str
-    _cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
-    _in_flight: collections.deque[Any] = dataclasses.field(default_factory=collections.deque, repr=False)
+    max_steps_in_flight: int | None = None
     # Per-worker leaves this step returned (stacked): id -> array.
     _returned: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False)
+    _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._runner = runner.StepRunner(self.mesh, self.axis_name, self.max_steps_in_flight)
 
     @property
     def num_workers(self) -> int:
-        return parallel._mesh_axis_size(self.mesh, self.axis_name)
+        return self._runner.num_workers
+
+    def in_flight_limit(self) -> int | None:
+        """How many dispatched steps may run ahead of the host (None: unbounded)."""
+        return self._runner.in_flight_limit()
 
     def _placement(self, state: TrainState) -> Any:
         """A TrainState of bools: True for per-worker (stacked) leaves."""
-        local_params = parallel._abstract(state.params)
-        placement = parallel.opt_state_placement(
-            state.tx, local_params, mesh=self.mesh, axis_name=self.axis_name
+        found = placement.replicated_params_placement(
+            state.tx, base.abstract(state.params), mesh=self.mesh, axis_name=self.axis_name
         )
-        if placement.updates_per_worker:
-            raise ValueError(
-                "The optimizer's updates differ between workers, so the replicated parameters "
-                "would drift apart. Aggregate in the chain, e.g. optax.chain("
-                "jaxopt_dist.all_reduce(axis_name=...), optax.adamw(...))."
-            )
         per_worker_stats = self.batch_stats == "per_worker"
         return state.replace(
             step=False,
             params=jax.tree.map(lambda _: False, state.params),
-            opt_state=placement.per_worker,
+            opt_state=found.per_worker,
             batch_stats=jax.tree.map(lambda _: per_worker_stats, state.batch_stats),
             key=jax.tree.map(lambda _: False, state.key),
         )
@@ -122,14 +116,14 @@ class DataParallelTrainState:
         axis_name, fn = self.axis_name, self.fn
 
         def body(state, batch):
-            trace = _Trace()
-            state = jax.tree.map(lambda x, m: x[0] if m else x, state, mask)
+            trace = replicas.ReplicaCopies()
+            state = layout.first_rows(state, mask)
             params = jax.tree.map(lambda x: trace.copy(x, comm.to_varying(x, axis_name)), state.params)
             key = jax.tree.map(
                 lambda k: trace.copy(k, jax.random.fold_in(k, comm.axis_index(axis_name))), state.key
             )
             inside = state.replace(params=params, key=key)
-            with _tracing(trace):
+            with replicas.tracing(trace):
                 out = fn(inside, *batch)
             new_state, metrics = (out, None) if isinstance(out, TrainState) else (out[0], out[1])
             if not isinstance(new_state, TrainState):
@@ -154,16 +148,15 @@ class DataParallelTrainState:
             new_state = jax.tree.map(
                 lambda x, m: comm.to_varying(x, axis_name)[None] if m else x, new_state, mask
             )
-            out_metrics = jax.tree.map(lambda x: _replicated_output(x, axis_name=axis_name), metrics)
+            out_metrics = jax.tree.map(lambda x: replicas.replicated_output(x, axis_name=axis_name), metrics)
             return new_state, out_metrics
 
         return body
 
     def _build(self, state: TrainState, batch: Any) -> Any:
         mask = self._placement(state)
-        spec = parallel._spec(self.axis_name)
-        s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
-        b_spec = jax.tree.map(lambda _: spec, batch)
+        s_spec = layout.mask_specs(mask, self.axis_name)
+        b_spec = jax.tree.map(lambda _: layout.data_spec(self.axis_name), batch)
         fn = jax.shard_map(
             self._body(mask),
             mesh=self.mesh,
@@ -174,19 +167,23 @@ class DataParallelTrainState:
         shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
         return jax.jit(fn), (jax.tree.map(shard, s_spec), jax.tree.map(shard, b_spec)), mask
 
+    def _checked_build(self, state: TrainState, batch: Any) -> Any:
+        self._runner.check_batch(batch)
+        return self._build(state, batch)
+
     def _stack(self, state: TrainState, mask: Any) -> TrainState:
         """Stacks the per-worker leaves of a state that holds one copy of them."""
         n = self.num_workers
-        sharded = jax.sharding.NamedSharding(self.mesh, parallel._spec(self.axis_name))
-        local = jax.eval_shape(state.tx.init, parallel._abstract(state.params))
+        sharded = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
+        local = jax.eval_shape(state.tx.init, base.abstract(state.params))
         opt = jax.tree.map(
-            lambda x, m, loc: parallel._stacked(x, n, sharded) if m and np.shape(x) == loc.shape else x,
+            lambda x, m, loc: layout.stacked(x, n, sharded) if m and np.shape(x) == loc.shape else x,
             state.opt_state,
             mask.opt_state,
             local,
         )
         stats = jax.tree.map(
-            lambda x, m: parallel._stacked(x, n, sharded) if m and self._returned.get(id(x)) is not x else x,
+            lambda x, m: layout.stacked(x, n, sharded) if m and self._returned.get(id(x)) is not x else x,
             state.batch_stats,
             mask.batch_stats,
         )
@@ -197,22 +194,12 @@ class DataParallelTrainState:
             raise TypeError(
                 f"The first argument must be a jaxopt_dist.linen.TrainState; got {type(state).__name__}."
             )
-        key = (
-            jax.tree.structure((state, batch)),
-            tuple((np.shape(x), str(jnp.result_type(x))) for x in jax.tree.leaves((state, batch))),
+        jitted, shardings, mask = self._runner.cached(
+            runner.shape_key((state, batch)), lambda: self._checked_build(state, batch)
         )
-        if key not in self._cache:
-            parallel.check_batch(batch, self.num_workers)
-            self._cache[key] = self._build(state, batch)
-        jitted, shardings, mask = self._cache[key]
-        state, batch = jax.device_put((self._stack(state, mask), batch), shardings)
-        out = jitted(state, batch)
+        out = self._runner.dispatch(jitted, (self._stack(state, mask), batch), shardings, batch=1)
         self._returned = {id(x): x for x in jax.tree.leaves(out[0].batch_stats)}
-        self._in_flight.append(out)
-        if len(self._in_flight) > parallel._CPU_STEPS_IN_FLIGHT and all(
-            d.platform == "cpu" for d in self.mesh.devices.flat
-        ):
-            jax.block_until_ready(self._in_flight.popleft())
+        self._runner.throttle(out)
         return out if out[1] is not None else out[0]
 
 
@@ -222,6 +209,7 @@ def data_parallel(
     mesh: jax.sharding.Mesh,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     batch_stats: Literal["sync", "per_worker"] = "sync",
+    max_steps_in_flight: int | None = None,
 ) -> Any:
     r"""Runs a linen ``TrainState`` step written for one device as a data-parallel step.
 
@@ -237,6 +225,8 @@ def data_parallel(
         workers when the BatchNorm layers do not already do it through their
         ``axis_name``). ``"per_worker"``: one set per worker, stacked along a
         leading worker axis; average them (``jnp.mean(x, 0)``) for evaluation.
+      max_steps_in_flight: bound on queued steps; None: 4 on CPU meshes
+        (XLA:CPU collectives can deadlock), unbounded on accelerators.
 
     Returns:
       A :class:`DataParallelTrainState` (or a decorator making one).
@@ -268,12 +258,13 @@ def data_parallel(
     axis_name = base.validate_axis_name(axis_name)
     if batch_stats not in _BATCH_STATS:
         raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
-    parallel.check_mesh(mesh, axis_name)
-    auto = parallel.auto_axes(mesh)
+    layout.check_mesh(mesh, axis_name)
+    max_steps_in_flight = runner.check_max_steps_in_flight(max_steps_in_flight)
+    auto = layout.auto_axes(mesh)
 
     def wrap(f: Callable[..., Any]) -> DataParallelTrainState:
         if not callable(f):
             raise TypeError(f"`fn` must be callable; got {f!r}.")
-        return DataParallelTrainState(f, auto, axis_name, batch_stats)
+        return DataParallelTrainState(f, auto, axis_name, batch_stats, max_steps_in_flight)
 
     return wrap if fn is None else wrap(fn)

@@ -1,0 +1,244 @@
+"""The stacked layout of per-worker values and its placement on a mesh.
+
+Inside ``jax.shard_map(check_vma=True)`` a value is *invariant* (the same on
+every worker) or *varying* over the data axes. Outside, a varying value is
+stored stacked: a new leading axis of size ``n`` (the workers it varies over),
+placed ``P(axis_name)``, so worker ``i`` holds row ``i``; an invariant value is
+stored once and placed ``P()``. Everything here works on that layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxopt_dist._src import base
+
+P = jax.sharding.PartitionSpec
+
+CPU_STEPS_IN_FLIGHT = 4
+"""Dispatched steps allowed ahead of the host on CPU meshes (XLA:CPU collectives can deadlock)."""
+
+
+def mesh_axis_size(mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, axis_name: base.AxisName) -> int:
+    """The number of workers on ``axis_name`` of ``mesh``; a clear error if an axis is missing."""
+    names = base.axis_names(axis_name)
+    missing = [a for a in names if a not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"The mesh has axes {tuple(mesh.shape)} but `axis_name`={axis_name!r} names "
+            f"{missing!r}. Build the mesh with that axis, e.g. jax.make_mesh((n,), ({names[0]!r},))."
+        )
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def check_mesh(mesh: Any, axis_name: base.AxisName) -> int:
+    """Checks that ``mesh`` is a Mesh with ``axis_name``; returns the number of workers."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"`mesh` must be a jax.sharding.Mesh (e.g. jax.make_mesh(...)); got {type(mesh).__name__}."
+        )
+    return mesh_axis_size(mesh, axis_name)
+
+
+def check_batch(batch: Any, n: int, *, hint: str = "") -> None:
+    """Every leaf of ``batch`` must split into ``n`` equal parts along its leading axis."""
+    for x in jax.tree.leaves(batch):
+        if np.ndim(x) == 0 or np.shape(x)[0] % n:
+            raise ValueError(
+                f"Every batch leaf needs a leading (batch) dimension divisible by the {n} workers; "
+                f"got shape {np.shape(x)}.{hint}"
+            )
+
+
+def auto_axes(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The same devices and axis names with every axis typed Auto.
+
+    Arrays placed on a mesh with Explicit axes (``jax.make_mesh``'s default on recent
+    JAX) carry that mesh in their type, and eager code (Flax metrics, evaluation on
+    one device) can no longer mix them with ordinary arrays.
+    """
+    return jax.sharding.Mesh(
+        mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+    )
+
+
+def on_cpu(mesh: jax.sharding.Mesh) -> bool:
+    """Whether every device of ``mesh`` is a CPU."""
+    return all(d.platform == "cpu" for d in mesh.devices.flat)
+
+
+# ----------------------------------------------------------------------------
+# Specs of stacked leaves.
+
+
+def data_spec(axis_name: base.AxisName) -> P:
+    """The spec of a leaf stacked over all of ``axis_name``."""
+    return axes_spec(base.axis_names(axis_name))
+
+
+def axes_spec(axes: tuple[Any, ...]) -> P:
+    """The PartitionSpec of a leaf stacked over ``axes`` (``P()`` when empty)."""
+    if not axes:
+        return P()
+    return P(axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def spec_axes(spec: P) -> tuple[Any, ...]:
+    """The axes of a leading-axis spec made by :func:`axes_spec`."""
+    if len(spec) == 0 or spec[0] is None:
+        return ()
+    return base.axis_names(spec[0])
+
+
+def spec_size(mesh: Any, spec: P) -> int:
+    """The length of the leading axis of a leaf stacked by ``spec`` on ``mesh``."""
+    return math.prod(mesh.shape[a] for a in spec_axes(spec))
+
+
+# ----------------------------------------------------------------------------
+# Stacking and unstacking (inside a step) and abstract layouts.
+
+
+def first_rows(tree: Any, mask: Any = None) -> Any:
+    """Inside a step: this worker's row of each stacked leaf (where ``mask`` is True, or every leaf)."""
+    if mask is None:
+        return jax.tree.map(lambda x: x[0], tree)
+    return jax.tree.map(lambda x, m: x[0] if m else x, tree, mask)
+
+
+def add_rows(tree: Any, mask: Any = None) -> Any:
+    """Inside a step: each leaf (where ``mask`` is True, or every leaf) as a stacked row of one."""
+    if mask is None:
+        return jax.tree.map(lambda x: x[None], tree)
+    return jax.tree.map(lambda x, m: x[None] if m else x, tree, mask)
+
+
+def with_sharding(tree: Any, sharding: Any) -> Any:
+    """``tree``'s leaves as ``ShapeDtypeStruct``s carrying ``sharding``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def stack_abstract(tree: Any, n: int, sharding: Any) -> Any:
+    """``tree``'s leaves as ``ShapeDtypeStruct``s stacked ``n`` times, carrying ``sharding``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding), tree)
+
+
+def placed_abstract(tree: Any, specs: Any, mesh: Any) -> Any:
+    """``tree`` (one worker's copy) laid out by ``specs``, as sharded ``ShapeDtypeStruct``s."""
+
+    def one(x, sp):
+        sharding = jax.sharding.NamedSharding(mesh, sp)
+        if not spec_axes(sp):
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
+        return jax.ShapeDtypeStruct(
+            (spec_size(mesh, sp), *np.shape(x)), jnp.result_type(x), sharding=sharding
+        )
+
+    return jax.tree.map(one, tree, specs)
+
+
+def mask_specs(mask: Any, axis_name: base.AxisName) -> Any:
+    """Specs from a tree of bools: stacked over all of ``axis_name`` where True, else ``P()``."""
+    spec = data_spec(axis_name)
+    return jax.tree.map(lambda m: spec if m else P(), mask)
+
+
+# ----------------------------------------------------------------------------
+# Placing arrays.
+
+
+def is_global(x: Any) -> bool:
+    """Whether ``x`` is an array spanning devices of other processes (multi-host)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def stacked(x: Any, n: int, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    """``n`` copies of ``x`` along a new leading axis, placed one row per worker.
+
+    Each process puts one row on each of its own devices: the ``n`` copies are
+    never materialized on one device, and nothing crosses the network.
+    """
+    if is_global(x):
+        return jax.device_put(jnp.broadcast_to(x, (n, *np.shape(x))), sharding)
+    row = jnp.asarray(x)[None]
+    shape = (n, *row.shape[1:])
+    shards = [jax.device_put(row, d) for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def place_by_specs(tree: Any, specs: Any, *, mesh: jax.sharding.Mesh) -> Any:
+    """Places each leaf (one copy) by its spec: ``P()`` replicated, else stacked over the spec's axes.
+
+    In a multi-process run, JAX checks that every process passes the same replicated value.
+    """
+
+    def put(x, sp):
+        sharding = jax.sharding.NamedSharding(mesh, sp)
+        if not spec_axes(sp):
+            return jax.device_put(x, sharding)
+        return stacked(x, spec_size(mesh, sp), sharding)
+
+    return jax.tree.map(put, tree, specs)
+
+
+def global_batch(batch: Any, shardings: Any) -> Any:
+    """Host batch leaves as global arrays, for meshes spanning several processes.
+
+    Each leaf is read as the *global* batch: every process transfers only the
+    rows of its own devices (the other rows are never read). ``jax.device_put``
+    would instead all-gather the whole batch to check it is equal everywhere.
+    """
+
+    def make(x, s):
+        if is_global(x):
+            return x
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
+        return jax.make_array_from_callback(np.shape(x), s, lambda idx: x[idx])
+
+    return jax.tree.map(make, batch, shardings)
+
+
+# ----------------------------------------------------------------------------
+# Checking a layout.
+
+
+def reshard_fix(what: str, n: int) -> str:
+    """What to write to regroup ``what`` (``"params"`` or ``"opt_state"``) for ``n`` workers."""
+    if what == "params":
+        return f"params = jaxopt_dist.reshard_params(params, num_workers={n})."
+    return f"opt_state = jaxopt_dist.reshard_opt_state(opt_state, tx, params, num_workers={n})."
+
+
+def check_layout(tree: Any, expected: Any, *, what: str, n: int, axis_name: base.AxisName) -> None:
+    """Raises unless ``tree``'s leaves have the shapes of ``expected`` (a layout on ``n`` workers).
+
+    A per-worker leaf stacked for another number of workers would otherwise be
+    resharded silently (rows dropped or split), losing per-worker state.
+    """
+    got, got_def = jax.tree_util.tree_flatten_with_path(tree)
+    want, want_def = jax.tree.flatten(expected)
+    if got_def != want_def:
+        return  # a structural mismatch fails loudly in device_put
+    for (path, x), w in zip(got, want):
+        shape = tuple(np.shape(x))
+        if shape == tuple(w.shape):
+            continue
+        where = f"`{what}` leaf {jax.tree_util.keystr(path) or '(root)'}"
+        per_worker = getattr(w.sharding, "spec", P()) != P()
+        if per_worker and len(shape) == len(w.shape) and shape[1:] == tuple(w.shape[1:]):
+            raise ValueError(
+                f"{where} holds per-worker values for {shape[0]} workers (leading dimension "
+                f"{shape[0]}), but the mesh has {n} workers on axis {axis_name!r}. Passing it on "
+                f"would drop or split workers' rows silently. Regroup it first: {reshard_fix(what, n)}"
+            )
+        raise ValueError(
+            f"{where} has shape {shape}; the layout for {n} workers on axis {axis_name!r} "
+            f"needs {tuple(w.shape)} (per-worker leaves stacked along a leading axis of size "
+            f"{n}, replicated leaves as one copy). Build it with step.init / init_opt_state."
+        )

@@ -1,0 +1,105 @@
+"""The step runner that every step builder shares.
+
+:func:`jaxopt_dist.data_parallel_step`, :func:`jaxopt_dist.nnx.data_parallel`
+and :func:`jaxopt_dist.linen.data_parallel` each build a ``shard_map`` program
+of their own; a :class:`StepRunner` does the rest the same way for all three:
+it keeps the compiled programs by key, places the arguments and dispatches a
+call, bounds how many calls run ahead of the host, and checks arguments
+against the mesh (batch leaves divisible by the workers, per-worker leaves
+stacked for this mesh's number of workers).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+from jaxopt_dist._src import base
+from jaxopt_dist._src.training import layout
+
+T = TypeVar("T")
+
+
+def shape_key(tree: Any) -> tuple[Any, ...]:
+    """A hashable key of ``tree``'s structure, shapes and dtypes (for compile caches)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves))
+
+
+def check_max_steps_in_flight(value: int | None) -> int | None:
+    """``max_steps_in_flight`` checked: None or an int >= 1."""
+    return None if value is None else base.check_positive_int(value, "max_steps_in_flight")
+
+
+@dataclasses.dataclass
+class StepRunner:
+    """Compile cache, dispatch, in-flight throttle and argument checks of one step.
+
+    Attributes:
+      mesh: the device mesh.
+      axis_name: the data axis (or tuple of axes) of ``mesh``.
+      max_steps_in_flight: how many dispatched calls may run ahead of the
+        host before a call waits for the oldest. None: unbounded on
+        accelerators, :data:`layout.CPU_STEPS_IN_FLIGHT` on CPU meshes, where
+        XLA:CPU's in-process collectives can deadlock when a few dozen steps
+        with collectives are queued.
+    """
+
+    mesh: jax.sharding.Mesh
+    axis_name: base.AxisName
+    max_steps_in_flight: int | None = None
+    _cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
+    _in_flight: collections.deque[Any] = dataclasses.field(default_factory=collections.deque, repr=False)
+
+    @property
+    def num_workers(self) -> int:
+        return layout.mesh_axis_size(self.mesh, self.axis_name)
+
+    def cached(self, key: Any, build: Callable[[], T]) -> T:
+        """``build()``'s result, computed once per ``key``."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def check_batch(self, batch: Any, *, hint: str = "") -> None:
+        """Every batch leaf must split evenly over the workers."""
+        layout.check_batch(batch, self.num_workers, hint=hint)
+
+    def check_layout(self, tree: Any, expected: Any, *, what: str) -> None:
+        """Rejects ``tree`` unless it has ``expected``'s layout for this mesh's workers."""
+        layout.check_layout(tree, expected, what=what, n=self.num_workers, axis_name=self.axis_name)
+
+    def in_flight_limit(self) -> int | None:
+        if self.max_steps_in_flight is not None:
+            return self.max_steps_in_flight
+        return layout.CPU_STEPS_IN_FLIGHT if layout.on_cpu(self.mesh) else None
+
+    def dispatch(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], shardings: tuple[Any, ...], *, batch: int
+    ):
+        """Places ``args`` by ``shardings`` and calls ``fn``; ``args[batch]`` is the global batch.
+
+        One ``device_put`` for the whole call: a no-op for arrays already in
+        place, a transfer for host batches, a reshard otherwise (jit's own
+        in_shardings would not retype arrays for meshes with Explicit axes).
+        On a mesh spanning several processes, each process transfers only the
+        batch rows of its own devices.
+        """
+        if self.mesh.is_multi_process:
+            args = (*args[:batch], layout.global_batch(args[batch], shardings[batch]), *args[batch + 1 :])
+        return fn(*jax.device_put(args, shardings))
+
+    def throttle(self, token: Any) -> None:
+        """Records a dispatched call by ``token`` (arrays it returns that are never donated);
+        waits for the oldest call once more than the in-flight limit are queued."""
+        limit = self.in_flight_limit()
+        if limit is None:
+            return
+        self._in_flight.append(token)
+        if len(self._in_flight) > limit:
+            jax.block_until_ready(self._in_flight.popleft())

@@ -1,0 +1,386 @@
+"""Data-parallel steps over a mesh, with the optimizer state placed for you.
+
+Users write no PartitionSpec for optimizer state: :mod:`.placement` finds
+which leaves are per-worker, :mod:`.layout` stacks and places them, and
+:class:`DataParallelStep` runs ``jax.shard_map`` over the data axis through the
+shared :class:`~.runner.StepRunner`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxopt_dist._src import base, comm
+from jaxopt_dist._src.training import layout, placement, runner
+
+P = jax.sharding.PartitionSpec
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates``, keeping parameters whose update is float0 (integer leaves) as they are."""
+    return jax.tree.map(lambda p, u: p if comm.is_float0(u) else optax.apply_updates(p, u), params, updates)
+
+
+def place_params(
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker: bool = False,
+) -> Any:
+    """Puts one copy of the parameters on ``mesh``: replicated, or one copy per worker.
+
+    With ``per_worker=True`` each leaf gets a leading axis of size ``n`` (worker
+    ``i`` owns row ``i``), as :func:`data_parallel_step` expects for transforms
+    with per-worker parameters (``average_params``, gossip).
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    layout.mesh_axis_size(mesh, axis_name)
+    specs = layout.mask_specs(jax.tree.map(lambda _: per_worker, params), axis_name)
+    return layout.place_by_specs(params, specs, mesh=mesh)
+
+
+def init_opt_state(
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+) -> Any:
+    """Builds ``tx``'s state for data-parallel training on ``mesh``, placed.
+
+    Replicated leaves are placed ``P()``; per-worker leaves are stacked along a
+    leading axis of size ``n`` and placed ``P(axis_name)`` (see
+    :func:`opt_state_placement`). ``init`` never communicates, so every worker
+    starts from the same state.
+
+    Args:
+      tx: the optimizer.
+      params: one copy of the parameters (not stacked).
+      mesh: the device mesh.
+      axis_name: the data axis (or tuple of axes) of ``mesh``.
+      per_worker_params: whether parameters differ between workers.
+
+    Returns:
+      The placed optimizer state.
+    """
+    specs = placement.opt_state_specs(
+        tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
+    )
+    return layout.place_by_specs(tx.init(params), specs, mesh=mesh)
+
+
+def place_opt_state(
+    opt_state: Any,
+    tx: optax.GradientTransformation,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+) -> Any:
+    """Places a host copy of ``tx``'s state (e.g. restored from a checkpoint) on ``mesh``.
+
+    ``opt_state`` has the layout of :func:`init_opt_state`: per-worker leaves
+    stacked along a leading axis of size ``n`` (the mesh's workers),
+    replicated leaves as one copy. A state stacked for another number of
+    workers is rejected; regroup it with :func:`jaxopt_dist.reshard_opt_state`.
+
+    Args:
+      opt_state: the state, as NumPy or JAX arrays.
+      tx: the optimizer.
+      params: one copy of the parameters (arrays or ShapeDtypeStructs).
+      mesh: the device mesh.
+      axis_name: the data axis (or tuple of axes) of ``mesh``.
+      per_worker_params: whether parameters differ between workers.
+
+    Returns:
+      The state, per-worker leaves placed ``P(axis_name)``, the rest ``P()``.
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    n = layout.mesh_axis_size(mesh, axis_name)
+    found = placement.opt_state_placement(
+        tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
+    )
+    specs = layout.mask_specs(found.per_worker, axis_name)
+    expected = layout.placed_abstract(jax.eval_shape(tx.init, base.abstract(params)), specs, mesh)
+    layout.check_layout(opt_state, expected, what="opt_state", n=n, axis_name=axis_name)
+    return jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, expected))
+
+
+def _scaled_loss(loss_fn: Callable[..., Any], scale: Any, has_aux: bool) -> Callable[..., Any]:
+    """``loss_fn`` multiplied by the loss scale (in float32); itself when there is none."""
+
+    def scaled(q, b):
+        out = loss_fn(q, b)
+        if scale is None:
+            return out
+        if has_aux:
+            return out[0].astype(jnp.float32) * scale, out[1]
+        return out.astype(jnp.float32) * scale
+
+    return scaled
+
+
+@dataclasses.dataclass
+class DataParallelStep:
+    """A jitted data-parallel training step; see :func:`data_parallel_step`.
+
+    Call it as ``params, opt_state, metrics = step(params, opt_state, batch)``.
+    ``step.init(params)`` returns ``(params, opt_state)`` placed on the mesh.
+    """
+
+    loss_fn: Callable[..., Any]
+    tx: Any  # an optax transformation, or anything with init/update (optax.MultiSteps)
+    mesh: jax.sharding.Mesh
+    axis_name: base.AxisName
+    per_worker_params: bool
+    has_aux: bool
+    donate: bool
+    loss_scale: Callable[[Any], Any] | None = None
+    max_steps_in_flight: int | None = None
+    _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._runner = runner.StepRunner(self.mesh, self.axis_name, self.max_steps_in_flight)
+
+    @property
+    def num_workers(self) -> int:
+        return self._runner.num_workers
+
+    def in_flight_limit(self) -> int | None:
+        """How many dispatched steps may run ahead of the host (None: unbounded)."""
+        return self._runner.in_flight_limit()
+
+    def placement(self, params: Any) -> placement.Placement:
+        """The state placement for one copy of ``params``."""
+        return self._runner.cached(("placement", runner.shape_key(params)), lambda: self._trace(params))
+
+    def _trace(self, params: Any) -> placement.Placement:
+        found = placement.trace_placement(
+            self.tx,
+            params,
+            mesh=self.mesh,
+            axis_name=self.axis_name,
+            per_worker_params=self.per_worker_params,
+        )
+        if found.updates_per_worker and not self.per_worker_params:
+            raise ValueError(placement.DRIFT_MESSAGE)
+        return found
+
+    def _specs(self, params: Any) -> tuple[Any, Any]:
+        """(params spec, state specs) for one copy of ``params``."""
+        spec = layout.data_spec(self.axis_name) if self.per_worker_params else P()
+        state_specs = placement.leaf_specs(self.placement(params), self.axis_name)
+        return jax.tree.map(lambda _: spec, params), state_specs
+
+    def init(self, params: Any) -> tuple[Any, Any]:
+        """Places one copy of ``params`` and builds the optimizer state.
+
+        Returns:
+          ``(params, opt_state)`` ready for ``step``: params replicated, or
+          stacked per worker when ``per_worker_params``.
+        """
+        p_spec, s_spec = self._specs(params)
+        state = layout.place_by_specs(self.tx.init(params), s_spec, mesh=self.mesh)
+        return layout.place_by_specs(params, p_spec, mesh=self.mesh), state
+
+    def abstract_init(self, params: Any) -> tuple[Any, Any]:
+        """Like :meth:`init`, as ``jax.ShapeDtypeStruct`` leaves with shardings; nothing is allocated.
+
+        The restore target for a checkpoint of ``(params, opt_state)``, e.g.
+        ``ocp.args.StandardRestore(step.abstract_init(params0))`` with
+        orbax-checkpoint: per-worker leaves come back stacked and placed
+        ``P(axis_name)``, the rest replicated.
+        """
+        local = base.abstract(params)
+        p_spec, s_spec = self._specs(local)
+        state = jax.eval_shape(self.tx.init, local)
+        return layout.placed_abstract(local, p_spec, self.mesh), layout.placed_abstract(
+            state, s_spec, self.mesh
+        )
+
+    def _local_params(self, params: Any) -> Any:
+        if self.per_worker_params:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)), params)
+        return params
+
+    def _body(self, mask: Any) -> Callable[..., Any]:
+        axis_name, tx, has_aux, per_worker = self.axis_name, self.tx, self.has_aux, self.per_worker_params
+        loss_fn, loss_scale = self.loss_fn, self.loss_scale
+
+        def body(params, opt_state, batch):
+            p = layout.first_rows(params) if per_worker else params
+            s = layout.first_rows(opt_state, mask)
+            # Differentiate with respect to a per-worker copy: for replicated
+            # params, shard_map's autodiff would otherwise sum the gradients over
+            # the axis on its own, before the optimizer could see them.
+            p_var = comm.to_varying(p, axis_name)
+            scale = None if loss_scale is None else jnp.asarray(loss_scale(s), jnp.float32)
+            scaled_loss = _scaled_loss(loss_fn, scale, has_aux)
+
+            def value_fn(q):
+                out = scaled_loss(q, batch)
+                return out[0] if has_aux else out
+
+            if has_aux:
+                grad_fn = jax.value_and_grad(scaled_loss, has_aux=True, allow_int=True)
+                (loss, aux), grads = grad_fn(p_var, batch)
+            else:
+                loss, grads = jax.value_and_grad(scaled_loss, allow_int=True)(p_var, batch)
+                aux = None
+            updates, s2 = tx.update(grads, s, p, value=loss, value_fn=value_fn)
+            new_p = apply_updates(p, updates)
+            metrics = {"loss": comm.pmean(loss if scale is None else loss / scale, axis_name)}
+            if has_aux:
+                metrics["aux"] = comm.pmean(aux, axis_name)
+            return (layout.add_rows(new_p) if per_worker else new_p), layout.add_rows(s2, mask), metrics
+
+        return body
+
+    def _build(self, params: Any, batch: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        local = self._local_params(params)
+        p_spec, s_spec = self._specs(local)
+        b_spec = jax.tree.map(lambda _: layout.data_spec(self.axis_name), batch)
+        fn = jax.shard_map(
+            self._body(self.placement(local).per_worker),
+            mesh=self.mesh,
+            in_specs=(p_spec, s_spec, b_spec),
+            out_specs=(p_spec, s_spec, P()),
+            check_vma=True,
+        )
+        shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
+        shardings = tuple(jax.tree.map(shard, spec) for spec in (p_spec, s_spec, b_spec))
+        return jax.jit(fn, donate_argnums=(0, 1) if self.donate else ()), shardings
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        # The state's shapes are in the key too: a state laid out for another number of
+        # workers misses the cache and is rejected below instead of being recompiled for.
+        key = (
+            "step",
+            runner.shape_key((params, batch)),
+            tuple(np.shape(x) for x in jax.tree.leaves(opt_state)),
+        )
+        key = (*key, jax.tree.structure(opt_state))
+
+        def build():
+            self._check_layouts(params, opt_state)
+            self._runner.check_batch(batch)
+            return self._build(params, batch)
+
+        fn, shardings = self._runner.cached(key, build)
+        out = self._runner.dispatch(fn, (params, opt_state, batch), shardings, batch=2)
+        self._runner.throttle(out[2]["loss"])
+        return out
+
+    def _check_layouts(self, params: Any, opt_state: Any) -> None:
+        """Rejects params or state laid out for another number of workers."""
+        p_want, s_want = self.abstract_init(self._local_params(params))
+        self._runner.check_layout(params, p_want, what="params")
+        self._runner.check_layout(opt_state, s_want, what="opt_state")
+
+
+def data_parallel_step(
+    loss_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    per_worker_params: bool = False,
+    has_aux: bool = False,
+    donate: bool = False,
+    loss_scale: Callable[[Any], Any] | None = None,
+    max_steps_in_flight: int | None = None,
+) -> DataParallelStep:
+    r"""Builds a jitted data-parallel training step over ``mesh``.
+
+    The step runs ``jax.shard_map`` with the batch split along ``axis_name``:
+    each worker computes the gradient of ``loss_fn`` on its shard, ``tx``
+    aggregates/compresses and steps (all communication happens inside ``tx``),
+    and the parameters are updated with :func:`optax.apply_updates`.
+
+    ``tx.update`` receives the line-search extra args ``value`` (this worker's
+    loss) and ``value_fn`` (params -> this worker's loss on the same shard).
+
+    Multi-host (``jax.distributed``, a mesh over the devices of every
+    process): every process calls the step with the same arguments. A batch
+    leaf that is already a global ``jax.Array`` (e.g. from
+    :func:`jax.make_array_from_process_local_data`) is used as is; a NumPy
+    leaf (or an array on this process's devices only) is read as the *global*
+    batch, and each process transfers only the rows of its own devices.
+    ``init`` expects the same parameters on every process (JAX checks the
+    replicated ones).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
+        ``has_aux``), for one worker's shard of the batch.
+      tx: the optimizer, e.g. ``optax.chain(all_reduce(), sgd(0.1, momentum=0.9))``.
+      mesh: a mesh with the axis ``axis_name``, e.g. ``jax.make_mesh((8,), ("data",))``.
+      axis_name: the data axis (or tuple of axes).
+      per_worker_params: keep one copy of the parameters per worker (stacked
+        along a leading axis), for transforms whose updates differ between
+        workers (``average_params``, gossip). Otherwise parameters are
+        replicated, and a transform whose updates would differ is rejected.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (floats) is averaged
+        over workers into ``metrics["aux"]``.
+      donate: donate params and state buffers to the step.
+      loss_scale: ``loss_scale(opt_state) -> scale`` for mixed precision with
+        :func:`jaxopt_dist.dynamic_loss_scale`: pass ``jaxopt_dist.loss_scale``.
+        The loss is multiplied by the scale (in float32) before
+        differentiation; ``dynamic_loss_scale`` unscales the gradients and the
+        line-search extra args. ``metrics["loss"]`` stays unscaled.
+      max_steps_in_flight: how many dispatched steps may run ahead of the
+        host before a call waits for the oldest. None: unbounded on
+        accelerators, 4 on CPU meshes, where XLA:CPU's in-process collectives
+        can deadlock when a few dozen steps with collectives are queued.
+
+    Returns:
+      A :class:`DataParallelStep`: ``step(params, opt_state, batch) ->
+      (params, opt_state, metrics)`` with ``metrics["loss"]`` the loss averaged
+      over workers, and ``step.init(params) -> (params, opt_state)``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
+      >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> tx = optax.chain(jd.all_reduce(), jd.sgd(0.1, momentum=0.9))
+      >>> step = jd.data_parallel_step(loss, tx, mesh=mesh)
+      >>> params, opt_state = step.init(jnp.zeros(3))
+      >>> batch = {"x": jnp.ones((8 * jax.device_count(), 3)), "y": jnp.ones(8 * jax.device_count())}
+      >>> params, opt_state, metrics = step(params, opt_state, batch)
+      >>> float(metrics["loss"])
+      1.0
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be callable; got {loss_fn!r}.")
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"`tx` must be an optax.GradientTransformation (or have init/update, like optax.MultiSteps); "
+            f"got {type(tx).__name__}."
+        )
+    max_steps_in_flight = runner.check_max_steps_in_flight(max_steps_in_flight)
+    if loss_scale is not None and not callable(loss_scale):
+        raise TypeError(
+            f"`loss_scale` must be a function of the optimizer state (e.g. jaxopt_dist.loss_scale); got {loss_scale!r}."
+        )
+    layout.check_mesh(mesh, axis_name)
+    return DataParallelStep(
+        loss_fn=loss_fn,
+        tx=tx,
+        mesh=mesh,
+        axis_name=axis_name,
+        per_worker_params=bool(per_worker_params),
+        has_aux=bool(has_aux),
+        donate=bool(donate),
+        loss_scale=loss_scale,
+        max_steps_in_flight=max_steps_in_flight,
+    )
