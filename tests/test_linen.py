@@ -141,3 +141,17 @@ def test_linen_example_trains(capsys):
             for leaf in jax.tree.leaves(r["state"].params):
                 helpers.assert_replicated_shards(leaf)
     assert "test accuracy" in capsys.readouterr().out
+
+
+def test_state_stacked_for_other_workers_is_rejected_and_the_throttle_is_shared():
+    tx = optax.chain(jd.powersgd(rank=1), optax.sgd(0.1))
+    state, batch = _setup(4, tx=tx)
+    step4 = jlinen.data_parallel(_step, mesh=helpers.make_mesh(4), max_steps_in_flight=2)
+    assert step4.in_flight_limit() == 2
+    state, _ = step4(state, batch)  # residuals now stacked for 4 workers
+    step2 = jlinen.data_parallel(_step, mesh=helpers.make_mesh(2))
+    _, batch2 = _setup(2, tx=tx)
+    with pytest.raises(ValueError, match=r"per-worker values for 4 workers.*mesh has 2 workers"):
+        step2(state, batch2)
+    with pytest.raises(ValueError, match=r"`max_steps_in_flight` must be an int >= 1"):
+        jlinen.data_parallel(_step, mesh=helpers.make_mesh(2), max_steps_in_flight=0)

@@ -246,3 +246,16 @@ def test_tutorial_example_trains(capsys):
     # The same loop on 4 workers with a dense all-reduce and SyncBN follows one device closely.
     assert abs(results["dense"]["test_accuracy"] - results["single"]["test_accuracy"]) < 0.08
     assert "test accuracy" in capsys.readouterr().out
+
+
+def test_state_stacked_for_other_workers_is_rejected_and_the_throttle_is_shared():
+    # The three step builders share one runner: the same layout check and in-flight bound.
+    model = _MLP(rngs=nnx.Rngs(1))
+    opt = jnnx.Optimizer(model, optax.chain(jd.powersgd(rank=1), optax.adamw(1e-2)), wrt=nnx.Param)
+    step4 = jnnx.data_parallel(_train_step, mesh=helpers.make_mesh(4), max_steps_in_flight=3)
+    assert step4.in_flight_limit() == 3
+    assert jnnx.data_parallel(_train_step, mesh=helpers.make_mesh(2)).in_flight_limit() == 4
+    step4(model, opt, _metrics(), _batch(0, 16))  # residuals now stacked for 4 workers
+    step2 = jnnx.data_parallel(_train_step, mesh=helpers.make_mesh(2))
+    with pytest.raises(ValueError, match=r"per-worker values for 4 workers.*mesh has 2 workers"):
+        step2(model, opt, _metrics(), _batch(1, 8))

@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax.training import train_state
 
@@ -38,7 +37,6 @@ from jaxopt_dist._src import base, comm
 from jaxopt_dist._src.training import layout, placement, replicas, runner
 
 P = jax.sharding.PartitionSpec
-_BATCH_STATS = ("sync", "per_worker")
 
 
 class TrainState(train_state.TrainState):
@@ -75,7 +73,7 @@ def _is_key(x: Any) -> bool:
 
 
 @dataclasses.dataclass
-class DataParallelTrainState:
+class DataParallelTrainState(runner.RunsSteps):
     """A linen training step over a mesh; see :func:`data_parallel`."""
 
     fn: Callable[..., Any]
@@ -86,17 +84,6 @@ class DataParallelTrainState:
     # Per-worker leaves this step returned (stacked): id -> array.
     _returned: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False)
     _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._runner = runner.StepRunner(self.mesh, self.axis_name, self.max_steps_in_flight)
-
-    @property
-    def num_workers(self) -> int:
-        return self._runner.num_workers
-
-    def in_flight_limit(self) -> int | None:
-        """How many dispatched steps may run ahead of the host (None: unbounded)."""
-        return self._runner.in_flight_limit()
 
     def _placement(self, state: TrainState) -> Any:
         """A TrainState of bools: True for per-worker (stacked) leaves."""
@@ -177,7 +164,7 @@ class DataParallelTrainState:
         sharded = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
         local = jax.eval_shape(state.tx.init, base.abstract(state.params))
         opt = jax.tree.map(
-            lambda x, m, loc: layout.stacked(x, n, sharded) if m and np.shape(x) == loc.shape else x,
+            lambda x, m, loc: self._runner.stacked_leaf(x, loc.shape, what="opt_state") if m else x,
             state.opt_state,
             mask.opt_state,
             local,
@@ -255,16 +242,11 @@ def data_parallel(
       >>> int(state.step)
       1
     """
-    axis_name = base.validate_axis_name(axis_name)
-    if batch_stats not in _BATCH_STATS:
-        raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
-    layout.check_mesh(mesh, axis_name)
-    max_steps_in_flight = runner.check_max_steps_in_flight(max_steps_in_flight)
-    auto = layout.auto_axes(mesh)
-
-    def wrap(f: Callable[..., Any]) -> DataParallelTrainState:
-        if not callable(f):
-            raise TypeError(f"`fn` must be callable; got {f!r}.")
-        return DataParallelTrainState(f, auto, axis_name, batch_stats, max_steps_in_flight)
-
-    return wrap if fn is None else wrap(fn)
+    return runner.front_end(
+        fn,
+        DataParallelTrainState,
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_stats=batch_stats,
+        max_steps_in_flight=max_steps_in_flight,
+    )

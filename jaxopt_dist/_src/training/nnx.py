@@ -46,7 +46,6 @@ from jaxopt_dist._src.training import layout, placement, replicas, runner
 
 P = jax.sharding.PartitionSpec
 BatchStats = Literal["sync", "per_worker"]
-_BATCH_STATS = ("sync", "per_worker")
 
 # Metrics whose state is a sum over examples: the global value is the old one
 # plus the sum of every worker's increment.
@@ -145,7 +144,7 @@ def _check_metrics(nodes: Any) -> None:
 
 
 @dataclasses.dataclass
-class DataParallel:
+class DataParallel(runner.RunsSteps):
     """A training step over a mesh; see :func:`data_parallel`."""
 
     fn: Callable[..., Any]
@@ -156,17 +155,6 @@ class DataParallel:
     # Per-worker running statistics: path -> (average written into the model, stacked copies).
     _worker_stats: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
     _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._runner = runner.StepRunner(self.mesh, self.axis_name, self.max_steps_in_flight)
-
-    @property
-    def num_workers(self) -> int:
-        return self._runner.num_workers
-
-    def in_flight_limit(self) -> int | None:
-        """How many dispatched steps may run ahead of the host (None: unbounded)."""
-        return self._runner.in_flight_limit()
 
     # -- layout -------------------------------------------------------------
 
@@ -207,8 +195,8 @@ class DataParallel:
                 if leaf.kind == "batch_stat":
                     kept = self._worker_stats.get(leaf.path)
                     x = kept[1] if kept is not None and kept[0] is x else layout.stacked(x, n, sharded)
-                elif np.shape(x) == leaf.local_shape:
-                    x = layout.stacked(x, n, sharded)
+                elif leaf.local_shape is not None:
+                    x = self._runner.stacked_leaf(x, leaf.local_shape, what=_path_str(leaf.path))
             out.append(x)
         return out
 
@@ -413,16 +401,11 @@ def data_parallel(
       >>> loss.shape
       ()
     """
-    axis_name = base.validate_axis_name(axis_name)
-    if batch_stats not in _BATCH_STATS:
-        raise ValueError(f"`batch_stats` must be one of {_BATCH_STATS}; got {batch_stats!r}.")
-    layout.check_mesh(mesh, axis_name)
-    max_steps_in_flight = runner.check_max_steps_in_flight(max_steps_in_flight)
-    auto = layout.auto_axes(mesh)
-
-    def wrap(f: Callable[..., Any]) -> DataParallel:
-        if not callable(f):
-            raise TypeError(f"`fn` must be callable; got {f!r}.")
-        return DataParallel(f, auto, axis_name, batch_stats, max_steps_in_flight)
-
-    return wrap if fn is None else wrap(fn)
+    return runner.front_end(
+        fn,
+        DataParallel,
+        mesh=mesh,
+        axis_name=axis_name,
+        batch_stats=batch_stats,
+        max_steps_in_flight=max_steps_in_flight,
+    )

@@ -74,6 +74,18 @@ class StepRunner:
         """Rejects ``tree`` unless it has ``expected``'s layout for this mesh's workers."""
         layout.check_layout(tree, expected, what=what, n=self.num_workers, axis_name=self.axis_name)
 
+    def stacked_leaf(self, x: Any, local_shape: tuple[int, ...], *, what: str) -> Any:
+        """A per-worker leaf ready for the step: one worker's copy (``local_shape``) is
+        stacked for every worker; an already stacked one must have a row per worker."""
+        sharding = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
+        if tuple(np.shape(x)) == tuple(local_shape):
+            return layout.stacked(x, self.num_workers, sharding)
+        want = jax.ShapeDtypeStruct(
+            (self.num_workers, *local_shape), jax.numpy.result_type(x), sharding=sharding
+        )
+        self.check_layout(x, want, what=what)
+        return x
+
     def in_flight_limit(self) -> int | None:
         if self.max_steps_in_flight is not None:
             return self.max_steps_in_flight
@@ -103,3 +115,60 @@ class StepRunner:
         self._in_flight.append(token)
         if len(self._in_flight) > limit:
             jax.block_until_ready(self._in_flight.popleft())
+
+
+class RunsSteps:
+    """What the three step classes share: a :class:`StepRunner` on their mesh and axis.
+
+    A dataclass that inherits it declares ``mesh``, ``axis_name`` and
+    ``max_steps_in_flight`` fields and ``_runner: StepRunner =
+    dataclasses.field(init=False, repr=False)``.
+    """
+
+    mesh: jax.sharding.Mesh
+    axis_name: base.AxisName
+    max_steps_in_flight: int | None
+    _runner: StepRunner
+
+    def __post_init__(self) -> None:
+        self._runner = StepRunner(self.mesh, self.axis_name, self.max_steps_in_flight)
+
+    @property
+    def num_workers(self) -> int:
+        return self._runner.num_workers
+
+    def in_flight_limit(self) -> int | None:
+        """How many dispatched steps may run ahead of the host (None: unbounded)."""
+        return self._runner.in_flight_limit()
+
+
+BATCH_STATS = ("sync", "per_worker")
+"""The ``batch_stats`` modes of the Flax front ends."""
+
+
+def front_end(
+    fn: Callable[..., Any] | None,
+    make: Callable[..., T],
+    *,
+    mesh: jax.sharding.Mesh,
+    axis_name: base.AxisName,
+    batch_stats: str,
+    max_steps_in_flight: int | None,
+) -> Any:
+    """The decorator of both Flax front ends: checks the options, then ``make(fn, mesh, ...)``.
+
+    Returns the step made for ``fn``, or a decorator making one when ``fn`` is None.
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    if batch_stats not in BATCH_STATS:
+        raise ValueError(f"`batch_stats` must be one of {BATCH_STATS}; got {batch_stats!r}.")
+    layout.check_mesh(mesh, axis_name)
+    max_steps_in_flight = check_max_steps_in_flight(max_steps_in_flight)
+    auto = layout.auto_axes(mesh)
+
+    def wrap(f: Callable[..., Any]) -> T:
+        if not callable(f):
+            raise TypeError(f"`fn` must be callable; got {f!r}.")
+        return make(f, auto, axis_name, batch_stats, max_steps_in_flight)
+
+    return wrap if fn is None else wrap(fn)

@@ -131,7 +131,7 @@ def _scaled_loss(loss_fn: Callable[..., Any], scale: Any, has_aux: bool) -> Call
 
 
 @dataclasses.dataclass
-class DataParallelStep:
+class DataParallelStep(runner.RunsSteps):
     """A jitted data-parallel training step; see :func:`data_parallel_step`.
 
     Call it as ``params, opt_state, metrics = step(params, opt_state, batch)``.
@@ -148,17 +148,6 @@ class DataParallelStep:
     loss_scale: Callable[[Any], Any] | None = None
     max_steps_in_flight: int | None = None
     _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._runner = runner.StepRunner(self.mesh, self.axis_name, self.max_steps_in_flight)
-
-    @property
-    def num_workers(self) -> int:
-        return self._runner.num_workers
-
-    def in_flight_limit(self) -> int | None:
-        """How many dispatched steps may run ahead of the host (None: unbounded)."""
-        return self._runner.in_flight_limit()
 
     def placement(self, params: Any) -> placement.Placement:
         """The state placement for one copy of ``params``."""
