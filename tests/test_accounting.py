@@ -11,8 +11,14 @@ the bf16 case checks explicitly.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import doctest
+import importlib
 import math
+import pathlib
+import pkgutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +27,8 @@ import pytest
 
 import jaxopt_dist as jd
 from jaxopt_dist import communication_cost, hlo_collectives, powersgd, project_step_time
-from jaxopt_dist._src import accounting
+from jaxopt_dist._src import accounting, comm
+from jaxopt_dist._src.accounting import costs, projection
 from tests import helpers
 
 P = jax.sharding.PartitionSpec
@@ -177,7 +184,7 @@ def _totals(collectives, dtype_of):
 @pytest.mark.parametrize("name,factory,per_worker,expected", CASES, ids=IDS)
 def test_bytes_match_docstring_formula_and_compiled_hlo(name, factory, per_worker, expected):
     tx = factory()
-    cost = communication_cost(tx, PARAMS, axis_size=N)
+    cost = communication_cost(tx, PARAMS, num_workers=N)
     # (a) the formula in the transform's docstring (steady state, averaged over a period).
     assert cost.sent_bytes == pytest.approx(expected, rel=1e-9), cost.table()
     assert cost.received_bytes == cost.sent_bytes
@@ -205,21 +212,21 @@ def test_bytes_match_docstring_formula_and_compiled_hlo(name, factory, per_worke
 
 def test_average_params_steps_and_periods():
     tx = optax.chain(jd.sgd(0.1), jd.average_params(every=3))
-    auto = communication_cost(tx, PARAMS, axis_size=N)
+    auto = communication_cost(tx, PARAMS, num_workers=N)
     assert auto.step_dependent and auto.exact and len(auto.period) == 3
     assert auto.sent_bytes == pytest.approx(RING * 4 * D / 3)
     assert auto.worst_sent_bytes == pytest.approx(RING * 4 * D)
     assert any("repeats every 3 step(s) from step 0" in n for n in auto.notes)
-    first = communication_cost(tx, PARAMS, axis_size=N, steps=2)
+    first = communication_cost(tx, PARAMS, num_workers=N, steps=2)
     assert [s.sent_bytes for s in first.steps] == [0.0, 0.0] and first.compression_ratio == math.inf
-    sync = communication_cost(tx, PARAMS, axis_size=N, steps=1, start=5)
+    sync = communication_cost(tx, PARAMS, num_workers=N, steps=1, start=5)
     assert sync.steps[0].step == 5 and sync.sent_bytes == pytest.approx(RING * 4 * D)
     assert len(auto.sites) == len(SHAPES)  # one all-reduce per leaf in the program, run every third step
 
 
 def test_powersgd_start_step_warm_up_then_steady_state():
     tx = powersgd(2, start_step=4)
-    cost = communication_cost(tx, PARAMS, axis_size=N)
+    cost = communication_cost(tx, PARAMS, num_workers=N)
     per_step = [s.sent_bytes for s in cost.steps]
     assert per_step[:4] == [pytest.approx(RING * 4 * D)] * 4
     assert per_step[4:] == [pytest.approx(_expected_powersgd(2))] * (len(per_step) - 4)
@@ -247,7 +254,7 @@ def test_powersgd_ratios_on_resnet18_match_the_paper():
     }
     assert sum(math.prod(x.shape) for x in params.values()) == 11_173_962
     for rank, paper in ((1, 243), (2, 136), (4, 72)):
-        ratio = communication_cost(powersgd(rank), params, axis_size=N).compression_ratio
+        ratio = communication_cost(powersgd(rank), params, num_workers=N).compression_ratio
         assert abs(ratio / paper - 1) <= 0.02, (rank, ratio)
 
 
@@ -266,7 +273,7 @@ def _psum_if_positive():
 
 
 def test_data_dependent_branch_charged_worst_case_and_flagged():
-    cost = communication_cost(_psum_if_positive(), PARAMS, axis_size=N)
+    cost = communication_cost(_psum_if_positive(), PARAMS, num_workers=N)
     assert not cost.exact and not cost.step_dependent
     assert cost.sent_bytes == pytest.approx(RING * 4 * D)
     assert any("data-dependent" in n for n in cost.notes)
@@ -280,7 +287,7 @@ def test_scan_multiplies_and_while_is_flagged():
         return jax.lax.scan(body, g, None, length=3)[0], s
 
     cost = communication_cost(
-        optax.GradientTransformationExtraArgs(optax.init_empty_state, scan_update), PARAMS, axis_size=N
+        optax.GradientTransformationExtraArgs(optax.init_empty_state, scan_update), PARAMS, num_workers=N
     )
     assert cost.exact and cost.calls == 3 * len(SHAPES)
     assert cost.sent_bytes == pytest.approx(3 * RING * 4 * D)
@@ -293,7 +300,7 @@ def test_scan_multiplies_and_while_is_flagged():
         return jax.lax.while_loop(lambda c: c[0] < jnp.sum(c[1]["w"]), body, (0, g))[1], s
 
     cost = communication_cost(
-        optax.GradientTransformationExtraArgs(optax.init_empty_state, while_update), PARAMS, axis_size=N
+        optax.GradientTransformationExtraArgs(optax.init_empty_state, while_update), PARAMS, num_workers=N
     )
     assert not cost.exact and any("while_loop" in n for n in cost.notes)
     assert cost.sent_bytes == pytest.approx(RING * 4 * D)
@@ -302,59 +309,58 @@ def test_scan_multiplies_and_while_is_flagged():
 def test_several_axes_and_permutes():
     # Hierarchical: reduce over "local" (4 workers) then over "node" (2 workers).
     tx = optax.chain(jd.all_reduce(axis_name="local"), jd.all_reduce(axis_name="node"))
-    cost = communication_cost(tx, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local"))
-    assert cost.axis_size == 8
+    cost = communication_cost(tx, PARAMS, num_workers={"node": 2, "local": 4}, axis_name=("node", "local"))
+    assert cost.num_workers == 8
     assert sorted(c.group_size for c in cost.steps[0].collectives) == [2] * 3 + [4] * 3
     # Packed (flatten=True, the default on CPU across processes): one call per axis, same bytes.
     packed = optax.chain(
         jd.all_reduce(axis_name="local", flatten=True), jd.all_reduce(axis_name="node", flatten=True)
     )
     cost_p = communication_cost(
-        packed, PARAMS, axis_size={"node": 2, "local": 4}, axis_name=("node", "local")
+        packed, PARAMS, num_workers={"node": 2, "local": 4}, axis_name=("node", "local")
     )
     assert sorted(c.group_size for c in cost_p.steps[0].collectives) == [2, 4]
     assert cost_p.sent_bytes == pytest.approx(cost.sent_bytes)
     assert cost.sent_bytes == pytest.approx((2 * 3 / 4 + 2 * 1 / 2) * 4 * D)
-    # A ring shift: every worker sends and receives its payload once.
-    from jaxopt_dist._src import comm
 
+    # A ring shift: every worker sends and receives its payload once.
     def shift_update(g, s, p=None, **kw):
         return comm.shift(g, "data", 1), s
 
     shift = optax.GradientTransformationExtraArgs(optax.init_empty_state, shift_update)
-    cost = communication_cost(shift, PARAMS, axis_size=N)
+    cost = communication_cost(shift, PARAMS, num_workers=N)
     assert set(cost.by_kind()) == {"permute"} and cost.sent_bytes == 4 * D
     assert cost.by_kind()["permute"].calls == len(SHAPES)  # ppermute binds once per leaf
 
 
 def test_project_step_time_alpha_beta():
-    cost = communication_cost(jd.all_reduce(flatten=True), PARAMS, axis_size=N)
+    cost = communication_cost(jd.all_reduce(flatten=True), PARAMS, num_workers=N)
     t = project_step_time(cost, bandwidth_gbps=8.0, latency_us=10.0)
     beta, alpha = 1e9, 1e-5  # bytes/s, s
     want = 2 * (N - 1) * alpha + RING * 4 * D / beta
     assert t.seconds == pytest.approx(want) and t.dense_seconds == pytest.approx(want)
     assert t.latency_seconds == pytest.approx(2 * (N - 1) * alpha) and t.speedup == pytest.approx(1.0)
     # Projected to 64 workers: same payload, new ring factors.
-    t64 = project_step_time(cost, workers=64, bandwidth_gbps=8.0, latency_us=10.0)
+    t64 = project_step_time(cost, num_workers=64, bandwidth_gbps=8.0, latency_us=10.0)
     assert t64.seconds == pytest.approx(2 * 63 * alpha + 2 * 63 / 64 * 4 * D / beta)
     # All-gather: (k - 1) rounds, (k - 1) B bytes.
-    c = communication_cost(sign_majority_vote(), PARAMS, axis_size=N)
+    c = communication_cost(sign_majority_vote(), PARAMS, num_workers=N)
     t = project_step_time(c, bandwidth_gbps=8.0, latency_us=10.0)
     assert t.seconds == pytest.approx((N - 1) * alpha + (N - 1) * math.ceil(D / 8) / beta)
     assert "speedup" in t.table() and "ms" in str(t)
 
 
 def test_table_and_structure():
-    cost = communication_cost(powersgd(2, one_allreduce=True), PARAMS, axis_size=N)
+    cost = communication_cost(powersgd(2, one_allreduce=True), PARAMS, num_workers=N)
     text = cost.table()
     assert "all_reduce" in text and "compression ratio" in text and "dense all-reduce baseline" in text
     assert str(cost) == text
     kinds = cost.by_kind()
     assert set(kinds) == {"all_reduce"} and kinds["all_reduce"].calls == 1
     assert kinds["all_reduce"].sent_bytes == pytest.approx(cost.sent_bytes)
-    assert all(isinstance(s, accounting.StepCost) for s in cost.steps)
+    assert all(isinstance(s, costs.StepCost) for s in cost.steps)
     # One worker: nothing on the wire, no ratio.
-    one = communication_cost(jd.all_reduce(), PARAMS, axis_size=1)
+    one = communication_cost(jd.all_reduce(), PARAMS, num_workers=1)
     assert one.sent_bytes == 0 and math.isnan(one.compression_ratio)
 
 
@@ -388,17 +394,17 @@ ENTRY %main.0_spmd (p: u8[23]) -> u8[8,23] {
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match=r"`axis_size` must be an int >= 1"):
-        communication_cost(jd.all_reduce(), PARAMS, axis_size=0)
-    with pytest.raises(ValueError, match=r"give `axis_size` as a mapping"):
-        communication_cost(jd.all_reduce(), PARAMS, axis_size=8, axis_name=("a", "b"))
+    with pytest.raises(ValueError, match=r"`num_workers` must be an int >= 1"):
+        communication_cost(jd.all_reduce(), PARAMS, num_workers=0)
+    with pytest.raises(ValueError, match=r"give `num_workers` as a mapping"):
+        communication_cost(jd.all_reduce(), PARAMS, num_workers=8, axis_name=("a", "b"))
     with pytest.raises(ValueError, match=r"gives no size for the axes \['b'\]"):
-        communication_cost(jd.all_reduce(), PARAMS, axis_size={"a": 2}, axis_name=("a", "b"))
+        communication_cost(jd.all_reduce(), PARAMS, num_workers={"a": 2}, axis_name=("a", "b"))
     with pytest.raises(TypeError, match=r"`tx` must be an optax.GradientTransformation"):
-        communication_cost(lambda g: g, PARAMS, axis_size=8)
+        communication_cost(lambda g: g, PARAMS, num_workers=8)
     with pytest.raises(ValueError, match=r"`steps` must be an int >= 1"):
-        communication_cost(jd.all_reduce(), PARAMS, axis_size=8, steps=0)
-    cost = communication_cost(jd.all_reduce(), PARAMS, axis_size=8)
+        communication_cost(jd.all_reduce(), PARAMS, num_workers=8, steps=0)
+    cost = communication_cost(jd.all_reduce(), PARAMS, num_workers=8)
     with pytest.raises(ValueError, match=r"`bandwidth_gbps` must lie in \(0, inf\)"):
         project_step_time(cost, bandwidth_gbps=0.0, latency_us=1.0)
     with pytest.raises(TypeError, match=r"`cost` must be a CommunicationCost"):
@@ -406,49 +412,49 @@ def test_bad_inputs():
 
 
 def test_step_time_is_a_float_in_seconds():
-    cost = communication_cost(jd.all_reduce(), PARAMS, axis_size=N)
-    t = project_step_time(cost, workers=64, bandwidth_gbps=10.0, latency_us=5.0)
+    cost = communication_cost(jd.all_reduce(), PARAMS, num_workers=N)
+    t = project_step_time(cost, num_workers=64, bandwidth_gbps=10.0, latency_us=5.0)
     assert isinstance(t, float) and 1e3 * t == pytest.approx(1e3 * t.seconds)
-    assert t.workers == 64 and "StepTime(seconds=" in repr(t)
+    assert t.num_workers == 64 and "StepTime(seconds=" in repr(t)
 
 
 def test_project_step_time_algorithms():
     beta, alpha = 1e9, 1e-5  # bytes/s, s (8 Gbit/s, 10 us)
     link = dict(bandwidth_gbps=8.0, latency_us=10.0)
-    per_leaf = communication_cost(jd.all_reduce(flatten=False), PARAMS, axis_size=N)  # 3 psums, one per leaf
+    per_leaf = communication_cost(
+        jd.all_reduce(flatten=False), PARAMS, num_workers=N
+    )  # 3 psums, one per leaf
     ring = project_step_time(per_leaf, **link)
     assert project_step_time(per_leaf, algorithm="ring", **link) == ring  # the default
     assert ring.seconds == pytest.approx(3 * 2 * (N - 1) * alpha + RING * 4 * D / beta)
     assert project_step_time(per_leaf, algorithm="gloo", **link) == pytest.approx(ring)
     # gloo (XLA:CPU): one ring call per operand of a collective; the ring model charges one.
     ops = tuple(((s,), "float32") for s in (64, 8, 2))
-    psum3 = accounting.Collective("all_reduce", "psum", ("data",), N, ops, 4 * 74, 1.0, "")
-    assert accounting._priced(psum3, N, "ring", alpha, beta) == pytest.approx((RING * 4 * 74, 2 * (N - 1)))
-    assert accounting._priced(psum3, N, "gloo", alpha, beta) == pytest.approx(
-        (RING * 4 * 74, 3 * 2 * (N - 1))
-    )
+    psum3 = costs.Collective("all_reduce", "psum", ("data",), N, ops, 4 * 74, 1.0, "")
+    assert projection.priced(psum3, N, "ring", alpha, beta) == pytest.approx((RING * 4 * 74, 2 * (N - 1)))
+    assert projection.priced(psum3, N, "gloo", alpha, beta) == pytest.approx((RING * 4 * 74, 3 * 2 * (N - 1)))
     # ... and 16-bit floats travel as float32 (XLA:CPU widens them in every collective).
     native = jd.all_reduce(dtype=jnp.bfloat16, bitcast_ring=False, flatten=False)  # no 16-bit ring: widened
-    bf16 = communication_cost(native, PARAMS, axis_size=N)
+    bf16 = communication_cost(native, PARAMS, num_workers=N)
     assert bf16.sent_bytes == pytest.approx(RING * 2 * D)
     assert project_step_time(bf16, algorithm="gloo", **link).seconds == pytest.approx(ring.seconds)
     assert project_step_time(bf16, **link).bandwidth_seconds == pytest.approx(RING * 2 * D / beta)
     # auto: a small message takes recursive doubling (log2 8 = 3 rounds, 3 B bytes) ...
-    flat = communication_cost(jd.all_reduce(flatten=True), PARAMS, axis_size=N)
+    flat = communication_cost(jd.all_reduce(flatten=True), PARAMS, num_workers=N)
     auto = project_step_time(flat, algorithm="auto", **link)
     assert auto.seconds == pytest.approx(3 * alpha + 3 * 4 * D / beta)
     assert auto.dense_seconds == pytest.approx(auto.seconds)
     # ... a large one the ring, whichever is faster.
     big = {"w": jax.ShapeDtypeStruct((1 << 22,), jnp.float32)}
-    cost = communication_cost(jd.all_reduce(), big, axis_size=N)
+    cost = communication_cost(jd.all_reduce(), big, num_workers=N)
     want_ring = 2 * (N - 1) * alpha + RING * 4 * (1 << 22) / beta
     assert project_step_time(cost, algorithm="auto", **link).seconds == pytest.approx(want_ring)
     assert project_step_time(cost, algorithm="auto", **link).seconds <= project_step_time(cost, **link)
     # All-to-all under gloo: every peer at once, one round; bytes of the ring table.
-    a2a = accounting.Collective("all_to_all", "all_to_all", ("data",), N, (((64,), "float32"),), 256, 1.0, "")
-    assert accounting._priced(a2a, N, "gloo", alpha, beta) == pytest.approx(((N - 1) / N * 256, 1))
+    a2a = costs.Collective("all_to_all", "all_to_all", ("data",), N, (((64,), "float32"),), 256, 1.0, "")
+    assert projection.priced(a2a, N, "gloo", alpha, beta) == pytest.approx(((N - 1) / N * 256, 1))
     rs = dataclasses.replace(a2a, kind="reduce_scatter")
-    assert accounting._priced(rs, N, "gloo", alpha, beta) == pytest.approx(((N - 1) / N * 256, 3))
+    assert projection.priced(rs, N, "gloo", alpha, beta) == pytest.approx(((N - 1) / N * 256, 3))
     with pytest.raises(ValueError, match=r"`algorithm` must be one of \('ring', 'auto', 'gloo'\)"):
         project_step_time(per_leaf, algorithm="tree", **link)
 
@@ -456,8 +462,8 @@ def test_project_step_time_algorithms():
 def test_project_step_time_call_floor():
     """call_floor_us: every call (each operand under "gloo") takes at least the floor."""
     link = dict(bandwidth_gbps=8.0, latency_us=10.0)
-    per_leaf = communication_cost(jd.all_reduce(flatten=False), PARAMS, axis_size=N)  # 3 calls
-    flat = communication_cost(jd.all_reduce(flatten=True), PARAMS, axis_size=N)  # 1 call
+    per_leaf = communication_cost(jd.all_reduce(flatten=False), PARAMS, num_workers=N)  # 3 calls
+    flat = communication_cost(jd.all_reduce(flatten=True), PARAMS, num_workers=N)  # 1 call
     floor_us = 4000.0  # above every call's rounds and bytes here
     for algorithm in ("ring", "gloo", "auto"):
         plain = project_step_time(per_leaf, algorithm=algorithm, **link)
@@ -472,7 +478,119 @@ def test_project_step_time_call_floor():
     tiny = project_step_time(per_leaf, algorithm="gloo", call_floor_us=1e-3, **link)
     assert tiny.seconds == pytest.approx(project_step_time(per_leaf, algorithm="gloo", **link).seconds)
     # One worker sends nothing: no call, no floor.
-    alone = communication_cost(jd.all_reduce(flatten=False), PARAMS, axis_size=1)
+    alone = communication_cost(jd.all_reduce(flatten=False), PARAMS, num_workers=1)
     assert project_step_time(alone, algorithm="gloo", call_floor_us=floor_us, **link).seconds == 0.0
     with pytest.raises(ValueError, match="call_floor_us"):
         project_step_time(flat, call_floor_us=-1.0, **link)
+
+
+# ----------------------------------------------------------------------------
+# One spelling for the worker count: num_workers (axis_size= and workers= deprecated).
+
+
+def test_axis_size_is_a_deprecated_spelling_of_num_workers():
+    tx = optax.chain(jd.sgd(0.1), jd.average_params(every=3))
+    new = communication_cost(tx, PARAMS, num_workers=N)
+    with pytest.warns(DeprecationWarning, match="`axis_size` is deprecated.*use `num_workers`") as record:
+        old = communication_cost(tx, PARAMS, axis_size=N)
+    assert record[0].filename == __file__  # the warning points at the caller
+    assert old == new and old.sent_bytes == new.sent_bytes and old.table() == new.table()
+    sizes = {"node": 2, "local": 4}
+    hier = optax.chain(jd.all_reduce(axis_name="local"), jd.all_reduce(axis_name="node"))
+    with pytest.warns(DeprecationWarning, match="num_workers"):
+        old = communication_cost(hier, PARAMS, axis_size=sizes, axis_name=("node", "local"))
+    assert old == communication_cost(hier, PARAMS, num_workers=sizes, axis_name=("node", "local"))
+    with pytest.raises(TypeError, match="`num_workers` only"):
+        communication_cost(tx, PARAMS, num_workers=N, axis_size=N)
+    with pytest.raises(TypeError, match="needs `num_workers`"):
+        communication_cost(tx, PARAMS)
+
+
+def test_workers_is_a_deprecated_spelling_of_num_workers():
+    cost = communication_cost(jd.all_reduce(), PARAMS, num_workers=N)
+    link = dict(bandwidth_gbps=10.0, latency_us=5.0)
+    new = project_step_time(cost, num_workers=64, **link)
+    with pytest.warns(DeprecationWarning, match="`workers` is deprecated.*use `num_workers`") as record:
+        old = project_step_time(cost, workers=64, **link)
+    assert record[0].filename == __file__
+    assert float(old) == float(new) and repr(old) == repr(new) and old.table() == new.table()
+    assert (old.by_kind, old.by_axis, old.num_workers) == (new.by_kind, new.by_axis, new.num_workers)
+    with pytest.raises(TypeError, match="`num_workers` only"):
+        project_step_time(cost, num_workers=64, workers=64, **link)
+    fields = dict(latency_seconds=0.0, bandwidth_seconds=1.0, dense_seconds=1.0, by_kind={})
+    with pytest.warns(DeprecationWarning, match="num_workers"):
+        assert projection.StepTime(1.0, workers=4, **fields).num_workers == 4
+    with pytest.raises(TypeError, match="needs `num_workers`"):
+        projection.StepTime(1.0, **fields)
+
+
+def test_old_attribute_names_warn_and_return_the_same_value():
+    cost = communication_cost(jd.all_reduce(), PARAMS, num_workers=N)
+    with pytest.warns(DeprecationWarning, match="CommunicationCost.axis_size") as record:
+        assert cost.axis_size == cost.num_workers == N
+    assert record[0].filename == __file__
+    t = project_step_time(cost, num_workers=64, bandwidth_gbps=10.0, latency_us=5.0)
+    with pytest.warns(DeprecationWarning, match="StepTime.workers") as record:
+        assert t.workers == t.num_workers == 64
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spellings do not warn
+        assert cost.num_workers == N and t.num_workers == 64 and "64 workers" in t.table()
+
+
+# ----------------------------------------------------------------------------
+# Platform facts.
+
+
+def test_platform_counts_the_program_another_setup_would_run():
+    params = {"a": jnp.zeros((4, 3)), "b": jnp.zeros(6)}  # two float32 leaves, 18 entries
+    tx = jd.all_reduce()
+    per_leaf = communication_cost(tx, params, num_workers=N, platform=jd.Platform("cpu"))
+    packed = communication_cost(tx, params, num_workers=N, platform=jd.Platform("cpu", multi_process=True))
+    # CPU across processes: one all-reduce of one buffer holding both leaves.
+    assert [(c.kind, c.operands) for c in packed.sites] == [("all_reduce", (((18,), "float32"),))]
+    assert packed.calls == 1
+    # One process: one operand per leaf.
+    assert {c.kind for c in per_leaf.sites} == {"all_reduce"}
+    assert sorted(op for c in per_leaf.sites for op in c.operands) == [((4, 3), "float32"), ((6,), "float32")]
+    assert packed.sent_bytes == pytest.approx(per_leaf.sent_bytes) == RING * 4 * 18
+    # The platform holds only for the trace; the same transform traces per leaf again.
+    assert not comm.flatten_by_default()
+    assert communication_cost(tx, params, num_workers=N, platform=jd.Platform("cpu")) == per_leaf
+    with pytest.raises(TypeError, match="`platform` must be a jaxopt_dist.Platform"):
+        communication_cost(tx, params, num_workers=N, platform="cpu")
+
+
+# ----------------------------------------------------------------------------
+# The package.
+
+ACCOUNTING_MODULES = sorted(
+    m.name for m in pkgutil.iter_modules(accounting.__path__, f"{accounting.__name__}.")
+)
+
+
+def test_docstring_examples_of_every_accounting_module():
+    attempted = 0
+    for name in ACCOUNTING_MODULES:
+        result = doctest.testmod(
+            importlib.import_module(name),
+            extraglobs={"jd": jd},
+            optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+            verbose=False,
+        )
+        assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+        attempted += result.attempted
+    assert attempted > 0
+
+
+def test_accounting_modules_share_only_plain_names():
+    package = pathlib.Path(accounting.__file__).parent
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxopt_dist"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name} imports {private} from {node.module}"
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id in ("costs", "trace", "walk", "projection", "hlo", "base", "comm"):
+                    assert not node.attr.startswith("_"), f"{path.name} uses {node.value.id}.{node.attr}"

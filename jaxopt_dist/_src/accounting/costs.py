@@ -1,0 +1,367 @@
+"""What the accounting reports: collectives, per-step costs and their per-kind prices.
+
+The bytes each worker sends and receives in one collective follow the
+standard algorithms (:func:`factors`):
+
+================  ===========================  ===================================
+collective        bytes sent (= received)      latency terms (rounds of messages)
+================  ===========================  ===================================
+all-reduce        ``2 (k-1)/k B`` (ring)       ``2 (k-1)``
+all-gather        ``(k-1) B`` (ring)           ``k-1``
+reduce-scatter    ``(k-1)/k B``                ``k-1``
+all-to-all        ``(k-1)/k B``                ``k-1``
+permute           ``B`` (0 for a fixed point)  ``1``
+================  ===========================  ===================================
+
+with ``B`` the bytes of this worker's operands and ``k`` the number of workers
+in the collective's group.
+
+The worker count is spelled ``num_workers`` everywhere;
+:func:`renamed_keyword` and :func:`renamed_message` serve the deprecated
+spellings (``axis_size``, ``workers``) for one release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxopt_dist._src import base
+
+PRIMITIVE_KINDS: dict[str, str] = {
+    "psum": "all_reduce",
+    "psum_invariant": "all_reduce",
+    "psum_start": "all_reduce",
+    "psum_invariant_start": "all_reduce",
+    "unreduced_psum": "all_reduce",
+    "unreduced_psum_start": "all_reduce",
+    "pmax": "all_reduce",
+    "pmin": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_invariant": "all_gather",
+    "all_gather_start": "all_gather",
+    "all_gather_reduced": "all_gather",
+    "all_gather_reduced_start": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_start": "reduce_scatter",
+    "unreduced_reduce_scatter": "reduce_scatter",
+    "unreduced_reduce_scatter_start": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "all_to_all_start": "all_to_all",
+    "ragged_all_to_all": "all_to_all",
+    "ppermute": "permute",
+    "ppermute_start": "permute",
+    "pbroadcast": "broadcast",
+    "pbroadcast_start": "broadcast",
+}
+"""jaxpr primitive -> collective kind."""
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute", "broadcast")
+"""Collective kinds reported by :func:`communication_cost`."""
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes per element of ``dtype`` (0 for a dtype without a size)."""
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:
+        return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def factors(kind: str, k: int, moving: float = 1.0) -> tuple[float, int]:
+    """(bytes on the wire per payload byte, per worker; latency rounds) for ``k`` workers."""
+    if k <= 1:
+        return 0.0, 0
+    if kind == "all_reduce":
+        return 2.0 * (k - 1) / k, 2 * (k - 1)
+    if kind == "all_gather":
+        return float(k - 1), k - 1
+    if kind in ("reduce_scatter", "all_to_all", "broadcast"):
+        return (k - 1) / k, k - 1
+    if kind == "permute":
+        return moving, 1 if moving > 0 else 0
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def axis_key(axes: tuple[Any, ...]) -> Any:
+    """The key of a group of mesh axes in ``by_axis`` tables: the name of one axis, else the tuple."""
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+# ----------------------------------------------------------------------------
+# The worker count, one spelling.
+
+
+def renamed_message(old: str, new: str) -> str:
+    """The deprecation message for the old spelling ``old`` of ``new``."""
+    return f"`{old}` is deprecated and will be removed in the next release; use `{new}` instead."
+
+
+def renamed_keyword(value: Any, old_value: Any, *, new: str, old: str) -> tuple[Any, str | None]:
+    """The value of keyword ``new`` given either as ``new`` or as its deprecated spelling ``old``.
+
+    Returns ``(value, message)``: ``message`` is the deprecation warning the
+    public function should give (with ``stacklevel=2``, pointing at its
+    caller) when ``old`` was used, else None.
+
+    Raises:
+      TypeError: both spellings were given.
+    """
+    if old_value is None:
+        return value, None
+    if value is not None:
+        raise TypeError(f"Pass `{new}` only: `{old}` is its deprecated spelling, not a second setting.")
+    return old_value, renamed_message(old, new)
+
+
+# ----------------------------------------------------------------------------
+# Results.
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a transform's update, as traced.
+
+    Attributes:
+      kind: one of :data:`KINDS`.
+      primitive: the jaxpr primitive (``psum``, ``all_gather_invariant``...).
+      axes: the axis names it reduces/gathers over.
+      group_size: ``k``, the number of workers taking part in each group.
+      operands: ``(shape, dtype name)`` of each local operand.
+      payload_bytes: ``B``, bytes of this worker's operands.
+      moving: for permutes, the fraction of workers whose data leaves them
+        (1 for a permutation without fixed points); 1 otherwise.
+      path: where it sits in the update, e.g. ``"cond[1]/jit"``.
+      multiplier: times it runs per execution of the update (``scan`` length).
+    """
+
+    kind: str
+    primitive: str
+    axes: tuple[Any, ...]
+    group_size: int
+    operands: tuple[tuple[tuple[int, ...], str], ...]
+    payload_bytes: int
+    moving: float
+    path: str
+    multiplier: int = 1
+
+    @property
+    def payload_elements(self) -> int:
+        return int(sum(math.prod(s) for s, _ in self.operands)) * self.multiplier
+
+    def sent_bytes(self, group_size: int | None = None) -> float:
+        """Bytes this worker sends (= receives) per execution, standard algorithm."""
+        k = self.group_size if group_size is None else group_size
+        factor, _ = factors(self.kind, k, self.moving)
+        return factor * self.payload_bytes * self.multiplier
+
+    def rounds(self, group_size: int | None = None) -> int:
+        """Latency terms (sequential message rounds) per execution."""
+        k = self.group_size if group_size is None else group_size
+        return factors(self.kind, k, self.moving)[1] * self.multiplier
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """The collectives of one step.
+
+    Attributes:
+      step: the step number (0 = first update after ``init``).
+      collectives: what runs on this step.
+      exact: False if a branch could not be resolved (charged the most
+        expensive one) or a ``while_loop`` body was charged once.
+    """
+
+    step: int
+    collectives: tuple[Collective, ...]
+    exact: bool = True
+
+    @property
+    def sent_bytes(self) -> float:
+        return float(sum(c.sent_bytes() for c in self.collectives))
+
+    @property
+    def received_bytes(self) -> float:
+        # Every algorithm in the table is symmetric: a worker receives what it sends.
+        return self.sent_bytes
+
+    @property
+    def calls(self) -> int:
+        """Number of collective operations issued."""
+        return int(sum(c.multiplier for c in self.collectives))
+
+    @property
+    def signature(self) -> tuple[Any, ...]:
+        return tuple((c.path, c.multiplier) for c in self.collectives)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindCost:
+    """Per-step averages for one collective kind."""
+
+    calls: float
+    payload_bytes: float
+    sent_bytes: float
+    received_bytes: float
+
+
+def _kind_costs(sums: Mapping[Any, list[float]], num_steps: int) -> dict[Any, KindCost]:
+    """``{key: [calls, payload, sent]}`` summed over ``num_steps`` steps, as per-step averages."""
+    m = max(num_steps, 1)
+    return {key: KindCost(v[0] / m, v[1] / m, v[2] / m, v[2] / m) for key, v in sums.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationCost:
+    """What a transform communicates per worker and step; see :func:`communication_cost`.
+
+    Attributes:
+      num_workers: number of workers on the axis (``axis_size`` is its
+        deprecated spelling).
+      axis_sizes: size of each mesh axis traced.
+      params_bytes: bytes of one copy of the parameters.
+      dense_bytes: the dense baseline: bytes a worker sends (= receives) in
+        one ring all-reduce of the parameters in their dtypes,
+        ``2 (n-1)/n params_bytes``.
+      steps: the evaluated steps (see ``period``).
+      period: the steps over which the averages below are taken (the last
+        ``len(period)`` evaluated steps; all of them unless ``steps=None``
+        found a repeating steady state).
+      sites: every collective in the traced update, each branch of each
+        ``cond`` included, counted once (what a compiled program contains).
+      step_dependent: some collective sits behind a branch chosen from the
+        state (the cost may differ between steps).
+      exact: every evaluated step was resolved exactly.
+      notes: human-readable remarks (warm-up length, inexact steps...).
+    """
+
+    num_workers: int
+    axis_sizes: Mapping[Hashable, int]
+    params_bytes: int
+    dense_bytes: float
+    steps: tuple[StepCost, ...]
+    period: tuple[int, ...]
+    sites: tuple[Collective, ...]
+    step_dependent: bool
+    exact: bool
+    notes: tuple[str, ...] = ()
+
+    @property
+    def axis_size(self) -> int:
+        """Deprecated: the same value as :attr:`num_workers`."""
+        warnings.warn(
+            renamed_message("CommunicationCost.axis_size", "num_workers"), DeprecationWarning, stacklevel=2
+        )
+        return self.num_workers
+
+    def period_steps(self) -> list[StepCost]:
+        """The evaluated steps in ``period``, those the averages are taken over."""
+        chosen = set(self.period)
+        return [s for s in self.steps if s.step in chosen]
+
+    def _period_mean(self, attr: str) -> float:
+        steps = self.period_steps()
+        return float(np.mean([getattr(s, attr) for s in steps])) if steps else 0.0
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes a worker sends per step, averaged over ``period``."""
+        return self._period_mean("sent_bytes")
+
+    @property
+    def received_bytes(self) -> float:
+        """Bytes a worker receives per step, averaged over ``period``."""
+        return self._period_mean("received_bytes")
+
+    @property
+    def calls(self) -> float:
+        """Collective operations per step, averaged over ``period``."""
+        return self._period_mean("calls")
+
+    @property
+    def worst_sent_bytes(self) -> float:
+        """The most bytes a worker sends on any evaluated step."""
+        return max((s.sent_bytes for s in self.steps), default=0.0)
+
+    @property
+    def peak_sent_bytes(self) -> float:
+        """The most bytes a worker sends on one step of ``period`` (the busiest
+        step of the steady state, e.g. one fragment's synchronisation)."""
+        return max((s.sent_bytes for s in self.period_steps()), default=0.0)
+
+    @property
+    def compression_ratio(self) -> float:
+        """``dense_bytes / sent_bytes`` (inf if nothing is sent, nan with one worker)."""
+        if self.dense_bytes == 0:
+            return math.nan
+        if self.sent_bytes == 0:
+            return math.inf
+        return self.dense_bytes / self.sent_bytes
+
+    def _sums(self, key_of: Any) -> tuple[dict[Any, list[float]], int]:
+        """``{key_of(c): [calls, payload bytes, sent bytes]}`` over ``period``, and its length."""
+        steps = self.period_steps()
+        sums: dict[Any, list[float]] = {}
+        for s in steps:
+            for c in s.collectives:
+                acc = sums.setdefault(key_of(c), [0.0, 0.0, 0.0])
+                acc[0] += c.multiplier
+                acc[1] += c.payload_bytes * c.multiplier
+                acc[2] += c.sent_bytes()
+        return sums, len(steps)
+
+    def by_kind(self) -> dict[str, KindCost]:
+        """Per-step averages over ``period``, per collective kind."""
+        sums, num_steps = self._sums(lambda c: c.kind)
+        return _kind_costs({kind: sums[kind] for kind in KINDS if sums.get(kind, [0.0])[0]}, num_steps)
+
+    def by_axis(self) -> dict[Any, KindCost]:
+        """Per-step averages over ``period``, per group of mesh axes a collective spans.
+
+        The key is the axis name for a collective over one axis (``"ici"``,
+        ``"dcn"``), the tuple of names for one over several at once (a flat
+        all-reduce over ``("dcn", "ici")``). On a two-level cluster the
+        bytes keyed by the slow axis (or by a tuple containing it) are the
+        ones that cross the slow links.
+        """
+        sums, num_steps = self._sums(lambda c: axis_key(c.axes))
+        return _kind_costs(sums, num_steps)
+
+    def table(self) -> str:
+        """A plain-text table of the per-step averages."""
+        fmt = base.format_bytes
+        lines = [
+            f"communication per worker and step, {self.num_workers} workers "
+            f"(averaged over {len(self.period)} step(s)):",
+            f"  {'collective':<15}{'calls':>8}{'payload':>14}{'sent':>14}{'received':>14}",
+        ]
+        for kind, c in self.by_kind().items():
+            lines.append(
+                f"  {kind:<15}{c.calls:>8.3g}{fmt(c.payload_bytes):>14}"
+                f"{fmt(c.sent_bytes):>14}{fmt(c.received_bytes):>14}"
+            )
+        lines.append(
+            f"  {'total':<15}{self.calls:>8.3g}{'':>14}{fmt(self.sent_bytes):>14}{fmt(self.received_bytes):>14}"
+        )
+        lines.append(
+            f"  dense all-reduce baseline: {fmt(self.dense_bytes)} sent; "
+            f"compression ratio {self.compression_ratio:.4g}x"
+        )
+        per_axis = self.by_axis()
+        if len(per_axis) > 1:
+            lines.extend(
+                f"  over {key!r}: {c.calls:.3g} calls, {fmt(c.sent_bytes)} sent"
+                for key, c in per_axis.items()
+            )
+        if self.step_dependent:
+            lines.append(f"  varies with the step: worst evaluated step sends {fmt(self.worst_sent_bytes)}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
