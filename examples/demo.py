@@ -338,9 +338,9 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
     params = jax.tree.map(lambda p: np.asarray(p, np.float32), jax.device_get(params))
     logits = model.apply(params, x_test)
     accuracy = float(np.mean(np.argmax(logits, -1) == y_test))
-    cost = jd.communication_cost(tx, start, axis_size=n)
+    cost = jd.communication_cost(tx, start, num_workers=n)
     # Trace again at 64 workers: message sizes and rounds of some schemes depend on the count.
-    cost64 = jd.communication_cost(tx, start, axis_size=64)
+    cost64 = jd.communication_cost(tx, start, num_workers=64)
     # "auto": ring or recursive doubling per message size, as NCCL and MPI choose (small messages
     # would otherwise pay 2 (n-1) latencies each).
     projected = jd.project_step_time(cost64, bandwidth_gbps=10.0, latency_us=5.0, algorithm="auto")
