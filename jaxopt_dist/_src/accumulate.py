@@ -89,8 +89,7 @@ def accumulate(
     if not hasattr(tx, "init") or not hasattr(tx, "update"):
         raise TypeError(f"`tx` must be an optax transformation; got {type(tx).__name__}.")
     every_k = base.check_positive_int(every_k, "every_k")
-    if not isinstance(use_grad_mean, bool):
-        raise TypeError(f"`use_grad_mean` must be a bool; got {use_grad_mean!r}.")
+    base.check_bool(use_grad_mean, "use_grad_mean")
     inner = optax.with_extra_args_support(tx)
 
     def init_fn(params):

@@ -80,12 +80,12 @@ class _Layout:
     def __init__(self, leaves: list[jax.Array], p: int):
         self.dtype = leaves[0].dtype
         self.shapes = [x.shape for x in leaves]
-        self.sizes = [int(np.prod(x.shape)) for x in leaves]
+        self.sizes = base.leaf_sizes(leaves)
         self.cols = [-(-s // p) for s in self.sizes]
         self.offsets = [int(o) for o in np.cumsum([0, *self.cols])[:-1]]
         self.width = int(sum(self.cols))
         self.p = p
-        self.compute_dtype = jnp.promote_types(self.dtype, jnp.float32)
+        self.compute_dtype = base.accumulation_dtype(self.dtype)
 
     def pack(self, leaves: list[jax.Array]) -> jax.Array:
         parts = [

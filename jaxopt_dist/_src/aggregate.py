@@ -118,8 +118,7 @@ def all_reduce(
         raise TypeError(f"`bitcast_ring` must be None or a bool; got {bitcast_ring!r}.")
     if flatten is not None and not isinstance(flatten, bool):
         raise TypeError(f"`flatten` must be None or a bool; got {flatten!r}.")
-    if not isinstance(divide_before, bool):
-        raise TypeError(f"`divide_before` must be a bool; got {divide_before!r}.")
+    base.check_bool(divide_before, "divide_before")
     if divide_before and reduction == "sum":
         raise ValueError("`divide_before=True` only applies to reduction='mean'.")
 
@@ -159,7 +158,7 @@ class AverageParamsState(NamedTuple):
 def partition_leaves(params: Any, num_partitions: int) -> list[list[int]]:
     """The round-robin groups of :func:`average_params`: leaf indices (in
     ``jax.tree.leaves`` order), contiguous, balanced by element count."""
-    sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
+    sizes = base.leaf_sizes(params)
     return _balanced_groups(sizes, num_partitions)
 
 
@@ -271,7 +270,7 @@ def average_params(
             raise ValueError("`average_params` needs `params` in update(updates, state, params).")
         u_leaves, treedef = jax.tree.flatten(updates)
         p_leaves = treedef.flatten_up_to(params)
-        groups = _balanced_groups([int(np.prod(u.shape)) for u in u_leaves], num_partitions)
+        groups = _balanced_groups(base.leaf_sizes(u_leaves), num_partitions)
         count = state.count
 
         def averaged(group: list[int]):

@@ -40,7 +40,7 @@ class IterateAverageState(NamedTuple):
 def _average_dtype(dtype: Any) -> Any:
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.floating):
-        return jnp.promote_types(dtype, jnp.float32)
+        return base.accumulation_dtype(dtype)
     return dtype
 
 

@@ -176,7 +176,7 @@ def choco_gossip(
     axis_name = base.validate_axis_name(axis_name)
 
     def init_fn(params):
-        zeros = lambda p: jnp.zeros(jnp.shape(p), jnp.promote_types(p.dtype, jnp.float32))  # noqa: E731
+        zeros = lambda p: jnp.zeros(jnp.shape(p), base.accumulation_dtype(p.dtype))  # noqa: E731
         return ChocoGossipState(
             count=jnp.zeros([], jnp.int32),
             public=jax.tree.map(zeros, params),

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxopt_dist._src.base import AxisName
+from jaxopt_dist._src.base import AxisName, axis_names
 
 Reduction = Literal["mean", "sum"]
 
@@ -35,14 +35,10 @@ class UnboundAxisError(NameError):
     """A communicating transform ran where its ``axis_name`` is not bound."""
 
 
-def _names(axis_name: AxisName) -> tuple[Any, ...]:
-    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
 def _unbound_message(axis_name: AxisName, caller: str | None) -> str:
     who = f"`{caller}`" if caller else "This transform"
     name = repr(axis_name)
-    first = repr(_names(axis_name)[0])
+    first = repr(axis_names(axis_name)[0])
     return (
         f"{who} communicates over the axis {name}, which is not bound here. Call its "
         f"update inside a mapped context that binds {name}: jax.shard_map over a mesh "
@@ -106,7 +102,7 @@ def is_varying(x: Any, axis_name: AxisName) -> bool:
     Outside shard_map (vmap, eager) nothing is tracked and this is False.
     """
     axes = _varying_axes(x)
-    return bool(axes and axes.intersection(_names(axis_name)))
+    return bool(axes and axes.intersection(axis_names(axis_name)))
 
 
 def to_varying(tree: Any, axis_name: AxisName) -> Any:
@@ -117,7 +113,7 @@ def to_varying(tree: Any, axis_name: AxisName) -> Any:
     shard_map/pmap (e.g. under ``vmap``), where there is nothing to track.
     """
     manual = _manual_axes()
-    names = [n for n in _names(axis_name) if n in manual]
+    names = [n for n in axis_names(axis_name) if n in manual]
     if not names:
         return tree
 
@@ -254,7 +250,7 @@ def _reduce_with_reduced(
     reduced as usual, partly reduced ones as their :func:`per_worker_share`.
     """
     shares = per_worker_share(leaves, axis_name, invariant_updates=invariant_updates, caller=caller)
-    names = _names(axis_name)
+    names = axis_names(axis_name)
     full = [len(r) == len(names) for r in reduced]
     rest = [i for i, f in enumerate(full) if not f]
     out: list[Any] = list(leaves)
@@ -464,7 +460,7 @@ def all_gather(
     """
     axis_size(axis_name, caller=caller)
     manual = _manual_axes()
-    invariant = any(n in manual for n in _names(axis_name))
+    invariant = any(n in manual for n in axis_names(axis_name))
     if invariant:
         return jax.tree.map(
             lambda x: jax.lax.all_gather(
@@ -691,7 +687,7 @@ def reduced_axes(tree: Any, axis_name: AxisName) -> list[tuple[Any, ...]]:
     """
     leaves = jax.tree.leaves(tree)
     manual = _manual_axes()
-    names = tuple(n for n in _names(axis_name) if n in manual)
+    names = tuple(n for n in axis_names(axis_name) if n in manual)
     if not names or not leaves or not _vma_tracked(names):
         return [() for _ in leaves]
     out = []
@@ -707,7 +703,7 @@ def _already_reduced_message(
     who = f"`{caller}`" if caller else "This transform"
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     bad = [p for p, r in zip(paths, reduced) if r]
-    first = repr(_names(axis_name)[0])
+    first = repr(axis_names(axis_name)[0])
     shown = ", ".join(p or "<root>" for p in bad[:3]) + (", ..." if len(bad) > 3 else "")
     head = (
         f"{who} received updates that arrived already summed over the axis {axis_name!r}: "

@@ -158,10 +158,6 @@ class DecoupledMomentumState(NamedTuple):
     momentum: optax.Updates  # like params (>= float32), per-worker
 
 
-def _mom_dtype(dtype: Any) -> Any:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def decoupled_momentum(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -248,7 +244,9 @@ def decoupled_momentum(
     def init_fn(params):
         return DecoupledMomentumState(
             count=jnp.zeros([], jnp.int32),
-            momentum=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _mom_dtype(p.dtype)), params),
+            momentum=jax.tree.map(
+                lambda p: jnp.zeros(jnp.shape(p), base.accumulation_dtype(p.dtype)), params
+            ),
         )
 
     def update_fn(updates, state, params=None, **extra_args):

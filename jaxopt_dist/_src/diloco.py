@@ -69,7 +69,7 @@ def diloco_fragments(params: Any, num_fragments: int, *, assignment: str = "stri
     num_fragments = base.check_positive_int(num_fragments, "num_fragments")
     if assignment not in _ASSIGNMENTS:
         raise ValueError(f"`fragment_assignment` must be one of {_ASSIGNMENTS}; got {assignment!r}.")
-    sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
+    sizes = base.leaf_sizes(params)
     n = len(sizes)
     if num_fragments > n:
         raise ValueError(

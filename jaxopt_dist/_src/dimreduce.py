@@ -87,7 +87,7 @@ class DimReduceState(NamedTuple):
 
 
 def _flat_size(tree: Any) -> int:
-    return int(sum(math.prod(np.shape(x)) for x in jax.tree.leaves(tree)))
+    return sum(base.leaf_sizes(tree))
 
 
 def _flatten(tree: Any, dtype: Any = jnp.float32) -> jax.Array:
@@ -299,9 +299,8 @@ def dim_reduce(
     max_search_steps = base.check_positive_int(max_search_steps, "max_search_steps")
     base.check_hyperparameter(eps, "eps", lower=0.0)
     axis_name = base.validate_axis_name(axis_name)
-    for flag, name in ((shard_basis, "shard_basis"), (aggregate, "aggregate")):
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
+    base.check_bool(shard_basis, "shard_basis")
+    base.check_bool(aggregate, "aggregate")
 
     def _check_params(tree: Any, what: str) -> None:
         size = _flat_size(tree)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxopt_dist._src import comm
+from jaxopt_dist._src import base, comm
 
 
 class CompressFn(Protocol):
@@ -155,8 +155,7 @@ def error_feedback(
     """
     if not isinstance(compressor, Compressor):
         raise TypeError(f"`compressor` must be a jaxopt_dist.Compressor; got {type(compressor).__name__}.")
-    if not isinstance(enabled, bool):
-        raise TypeError(f"`enabled` must be a bool; got {enabled!r}.")
+    base.check_bool(enabled, "enabled")
     comm.check_invariant_mode(compressor.invariant_updates)
 
     def init_fn(params):

@@ -116,7 +116,7 @@ def _mix(
     if not terms:
         return [comm.to_varying(u, axis_name) for u in updates]
     local = [(p + u).astype(p.dtype) for p, u in zip(params, updates)]
-    cdt = [jnp.promote_types(u.dtype, jnp.float32) for u in updates]
+    cdt = [base.accumulation_dtype(u.dtype) for u in updates]
     acc = [jnp.zeros(u.shape, d) for u, d in zip(updates, cdt)]
     for term in terms:
         recv = comm.ppermute(local, axis_name, term.pairs, caller="gossip")
@@ -230,8 +230,7 @@ def gossip(
     weights = check_weights(weights, topology)
     shape = check_shape(shape, topology)
     base.check_hyperparameter(gamma, "gamma", lower=0.0, upper=1.0, lower_open=True)
-    if not isinstance(track_consensus, bool):
-        raise TypeError(f"`track_consensus` must be a bool; got {track_consensus!r}.")
+    base.check_bool(track_consensus, "track_consensus")
 
     def init_fn(params):
         del params
@@ -273,7 +272,7 @@ def _consensus_distance(
     """``mean_i |x_i - mean_j x_j|^2`` over all leaves, ``x = p + u``, in float32 or wider."""
     if not params:
         return jnp.zeros([], jnp.float32)
-    new = [(p + u).astype(jnp.promote_types(p.dtype, jnp.float32)) for p, u in zip(params, updates)]
+    new = [(p + u).astype(base.accumulation_dtype(p.dtype)) for p, u in zip(params, updates)]
     mean = comm.pmean(new, axis_name, caller="gossip")
     local = sum(jnp.sum(jnp.square(x - m)).astype(jnp.float32) for x, m in zip(new, mean))
     return comm.pmean(local, axis_name, caller="gossip")

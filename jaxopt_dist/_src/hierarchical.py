@@ -148,8 +148,7 @@ def hierarchical(
              [2.5, 2.5, 2.5]], dtype=float32)
     """
     slow_axis, fast_axis = _check_pair(axis_name)
-    if not isinstance(sharded, bool):
-        raise TypeError(f"`sharded` must be a bool; got {sharded!r}.")
+    base.check_bool(sharded, "sharded")
     slow_tx = _check_tx(slow, "slow")
     fast_tx = None if fast is None else _check_tx(fast, "fast")
 

@@ -26,8 +26,6 @@ that a block's scale (its largest magnitude) maps to 1. E3M0 is
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -119,7 +117,7 @@ def _low_bit_compressor(
         leaves, treedef = jax.tree.flatten(updates)
         if not leaves:
             return updates, updates, state
-        sizes = [math.prod(x.shape) for x in leaves]
+        sizes = base.leaf_sizes(leaves)
         total = sum(sizes)
         chunk, blocks = _layout(total, n, block_size)
         flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
@@ -206,7 +204,6 @@ def low_bit(
             f"exponent_bits={exponent_bits}, mantissa_bits={mantissa_bits} ({bits} bits)."
         )
     block_size = base.check_positive_int(block_size, "block_size")
-    if not isinstance(error_feedback, bool):
-        raise TypeError(f"`error_feedback` must be a bool; got {error_feedback!r}.")
+    base.check_bool(error_feedback, "error_feedback")
     grid = float_grid(e_bits, m_bits)
     return ef.error_feedback(_low_bit_compressor(grid, bits, block_size, axis_name), enabled=error_feedback)

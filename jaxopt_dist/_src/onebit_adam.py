@@ -241,8 +241,7 @@ def onebit_adam(
     base.check_hyperparameter(b2, "b2", lower=0.0, upper=1.0, upper_open=True)
     base.check_hyperparameter(eps, "eps", lower=0.0, lower_open=True)
     base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
-    if not isinstance(bias_correction, bool):
-        raise TypeError(f"`bias_correction` must be a bool; got {bias_correction!r}.")
+    base.check_bool(bias_correction, "bias_correction")
     axis_name = base.validate_axis_name(axis_name)
     use_wd = not base.is_constant(weight_decay, 0.0)
     n_cfg = num_workers

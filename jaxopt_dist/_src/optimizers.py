@@ -23,11 +23,6 @@ import optax
 from jaxopt_dist._src import base, comm
 
 
-def _compute_dtype(x: jax.Array) -> Any:
-    """At least float32 for the arithmetic; the state keeps its own dtype."""
-    return jnp.promote_types(x.dtype, jnp.float32)
-
-
 def _cast_tree_like(tree: Any, like: Any) -> Any:
     return jax.tree.map(lambda a, b: a.astype(b.dtype), tree, like)
 
@@ -94,7 +89,7 @@ def scale_by_momentum(
         tau = base.resolve(dampening, state.count)
 
         def buf(g, b):
-            ct = _compute_dtype(g)
+            ct = base.accumulation_dtype(g.dtype)
             g32, b32 = g.astype(ct), b.astype(ct)
             new = jnp.asarray(mu, ct) * b32 + (1 - jnp.asarray(tau, ct)) * g32
             if first_step_special:
@@ -124,8 +119,7 @@ def _check_momentum(momentum: Any) -> None:
 
 
 def _check_nesterov(nesterov: bool, momentum: Any, dampening: Any) -> None:
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"`nesterov` must be a bool; got {nesterov!r}.")
+    base.check_bool(nesterov, "nesterov")
     if not nesterov:
         return
     if base.is_python_number(momentum) and float(momentum) <= 0:
@@ -290,7 +284,7 @@ def _scale_by_root_of_accumulator(
         e = base.resolve(eps, state.count)
 
         def one(g, a):
-            ct = _compute_dtype(g)
+            ct = base.accumulation_dtype(g.dtype)
             g32 = g.astype(ct)
             new_a = accumulate(a.astype(ct), g32 * g32, state.count)
             return g32 / jnp.sqrt(new_a + jnp.asarray(e, ct)), new_a
@@ -474,7 +468,7 @@ def _scale_by_adam(
             bc2 = 1 - jnp.asarray(beta2, jnp.float32) ** t.astype(jnp.float32)
 
         def moments(g, m, v):
-            ct = _compute_dtype(g)
+            ct = base.accumulation_dtype(g.dtype)
             g32 = g.astype(ct)
             bb1, bb2 = jnp.asarray(beta1, ct), jnp.asarray(beta2, ct)
             return bb1 * m.astype(ct) + (1 - bb1) * g32, bb2 * v.astype(ct) + (1 - bb2) * g32 * g32
@@ -557,7 +551,6 @@ def adam(
     base.check_hyperparameter(b2, "b2", lower=0.0, upper=1.0, upper_open=True)
     base.check_hyperparameter(eps, "eps", lower=0.0)
     base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
-    if not isinstance(amsgrad, bool):
-        raise TypeError(f"`amsgrad` must be a bool; got {amsgrad!r}.")
+    base.check_bool(amsgrad, "amsgrad")
     parts = [] if base.is_constant(weight_decay, 0.0) else [optax.add_decayed_weights(weight_decay)]
     return _chain(*parts, _scale_by_adam(b1, b2, eps, amsgrad), optax.scale_by_learning_rate(learning_rate))

@@ -26,19 +26,6 @@ from jaxopt_dist._src import base, comm
 from jaxopt_dist._src import error_feedback as ef
 
 
-def _check_bool(flag: Any, name: str) -> None:
-    if not isinstance(flag, bool):
-        raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
-
-
-def _acc_dtype(dtype: Any) -> Any:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _sizes(leaves: Sequence[jax.Array]) -> list[int]:
-    return [math.prod(x.shape) for x in leaves]
-
-
 def _pack_signs(leaves: Sequence[jax.Array]) -> jax.Array:
     """One bit per entry of all leaves (1 = negative), 8 per byte: uint8[ceil(D / 8)]."""
     negative = jnp.concatenate([jnp.ravel(x) < 0 for x in leaves])
@@ -49,6 +36,13 @@ def _unpack_signs(packed: jax.Array, total: int, dtype: Any) -> jax.Array:
     """``+1``/``-1`` in ``dtype`` from one worker's packed bits."""
     bits = jnp.unpackbits(packed, count=total)
     return (1 - 2 * bits.astype(jnp.int32)).astype(dtype)
+
+
+def _mean_magnitudes(leaves: Sequence[jax.Array]) -> jax.Array:
+    """float32[L]: the mean absolute value of each leaf (its scaled-sign scale)."""
+    return jnp.stack(
+        [jnp.mean(jnp.abs(x.astype(base.accumulation_dtype(x.dtype)))).astype(jnp.float32) for x in leaves]
+    )
 
 
 _UNROLL = 8  # up to this many workers, decoding loops are unrolled so that XLA fuses them
@@ -75,7 +69,7 @@ def _majority_vote_compressor(axis_name: base.AxisName) -> ef.Compressor:
         leaves, treedef = jax.tree.flatten(updates)
         if not leaves:
             return updates, updates, state
-        total = sum(_sizes(leaves))
+        total = sum(base.leaf_sizes(leaves))
         (gathered,) = comm.all_gather_packed([_pack_signs(leaves)], axis_name, caller="sign_majority_vote")
         negatives = _ordered_sum(
             n,
@@ -156,11 +150,9 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
         leaves, treedef = jax.tree.flatten(updates)
         if not leaves:
             return updates, updates, state
-        sizes = _sizes(leaves)
+        sizes = base.leaf_sizes(leaves)
         total = sum(sizes)
-        scales = jnp.stack(
-            [jnp.mean(jnp.abs(x.astype(_acc_dtype(x.dtype)))).astype(jnp.float32) for x in leaves]
-        )
+        scales = _mean_magnitudes(leaves)
         packed = _pack_signs(leaves)
         g_packed, g_scales = comm.all_gather_packed([packed, scales], axis_name, caller="scaled_sign")
 
@@ -202,7 +194,7 @@ def _scaled_sign_codec() -> ef.Codec:
         leaves, treedef = jax.tree.flatten(like)
         if not leaves:
             return like
-        sizes = _sizes(leaves)
+        sizes = base.leaf_sizes(leaves)
         flat = _unpack_signs(message[0], sum(sizes), jnp.float32) * base.repeat_segments(message[1], sizes)
         return base.split_flat(flat, leaves, treedef)
 
@@ -210,9 +202,7 @@ def _scaled_sign_codec() -> ef.Codec:
         leaves = jax.tree.leaves(updates)
         if not leaves:
             return [], updates, state
-        scales = jnp.stack(
-            [jnp.mean(jnp.abs(x.astype(_acc_dtype(x.dtype)))).astype(jnp.float32) for x in leaves]
-        )
+        scales = _mean_magnitudes(leaves)
         message = [_pack_signs(leaves), scales]
         return message, decode(message, updates, state), state
 
@@ -262,7 +252,7 @@ def scaled_sign(
       other Gradient Compression Schemes <https://arxiv.org/abs/1901.09847>`_, 2019
     """
     axis_name = base.validate_axis_name(axis_name)
-    _check_bool(error_feedback, "error_feedback")
+    base.check_bool(error_feedback, "error_feedback")
     return ef.error_feedback(_scaled_sign_compressor(axis_name), enabled=error_feedback)
 
 
@@ -407,7 +397,7 @@ def _qsgd_compressor(
         key, step_key = jax.random.split(state.key)
         if not leaves:
             return updates, updates, QSGDState(key=key)
-        sizes = _sizes(leaves)
+        sizes = base.leaf_sizes(leaves)
         shapes = [_buckets(d, bucket_size) for d in sizes]
         worker = comm.axis_index(axis_name, caller="qsgd")
         u = qsgd_uniforms(step_key, worker, sum(m * b for m, b in shapes), rng=rng)
@@ -489,7 +479,7 @@ def _qsgd_codec(levels: int, bucket_size: int | None, axis_name: base.AxisName) 
     def encode(updates, state):
         leaves = jax.tree.leaves(updates)
         key, step_key = jax.random.split(state.key)
-        shapes = [_buckets(d, bucket_size) for d in _sizes(leaves)]
+        shapes = [_buckets(d, bucket_size) for d in base.leaf_sizes(leaves)]
         u = qsgd_uniforms(step_key, comm.axis_index(axis_name, caller="qsgd"), sum(m * b for m, b in shapes))
         message, offset = [], 0
         for x, (m, b) in zip(leaves, shapes):
@@ -630,7 +620,7 @@ def qsgd(
     seed = base.check_positive_int(seed, "seed", minimum=0)
     if bucket_size is not None:
         bucket_size = base.check_positive_int(bucket_size, "bucket_size")
-    _check_bool(error_feedback, "error_feedback")
+    base.check_bool(error_feedback, "error_feedback")
     if not isinstance(aggregate, str) or aggregate not in _AGGREGATES:
         raise ValueError(f"`aggregate` must be 'all_reduce' or 'all_gather'; got {aggregate!r}.")
     if not isinstance(rng, str) or rng not in _RNGS:
