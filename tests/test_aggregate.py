@@ -265,7 +265,7 @@ def test_average_params_bad_inputs():
     with pytest.raises(ValueError, match=r"`num_partitions`=4 exceeds the number of parameter leaves \(3\)"):
         jd.partition_leaves({"a": 1.0, "b": 2.0, "c": 3.0}, 4)
     tx = jd.average_params()
-    with pytest.raises(ValueError, match=r"`average_params` needs `params`"):
+    with pytest.raises(ValueError, match=r"`average_params` needs `params`: call it as"):
         jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="data")(jnp.ones((2, 3)))
     with pytest.raises(jd.UnboundAxisError, match="average_params"):
         tx.update(jnp.ones(3), tx.init(jnp.ones(3)), jnp.ones(3))

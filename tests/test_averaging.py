@@ -235,7 +235,9 @@ def test_negative_shift():
 
 def test_update_needs_params():
     tx = iterate_average()
-    with pytest.raises(ValueError, match=r"`iterate_average` needs `params`"):
+    with pytest.raises(
+        ValueError, match=r"`iterate_average` needs `params` \(it averages params \+ updates, so put it last"
+    ):
         tx.update({"v": jnp.ones(2)}, tx.init({"v": jnp.zeros(2)}))
 
 

@@ -187,7 +187,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="shape"):
         jd.choco_gossip(jd.top_k(k=1), consensus_step=0.5, shape=(2, 2))
     tx = jd.choco_gossip(jd.top_k(k=1), consensus_step=0.5)
-    with pytest.raises(ValueError, match="params"):
+    with pytest.raises(ValueError, match=r"`choco_gossip` needs `params`: call it as"):
         jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 3)))
     with pytest.raises(NameError, match="choco_gossip"):
         tx.update(jnp.ones(3), tx.init(jnp.ones(3)), jnp.ones(3))

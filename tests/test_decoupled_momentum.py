@@ -256,7 +256,9 @@ def test_unbound_axis_and_missing_params():
     with pytest.raises(NameError, match="decoupled_momentum"):
         tx.update(g, tx.init(g))
     tx = jd.decoupled_momentum(0.1, weight_decay=0.1)
-    with pytest.raises(ValueError, match="params"):
+    with pytest.raises(
+        ValueError, match=r"`decoupled_momentum` needs `params` \(with weight_decay\): call it as"
+    ):
         jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 4)))
 
 

@@ -293,7 +293,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="num_fragments"):
         tx.init(jnp.zeros(3))  # one leaf, two fragments
     tx = jd.diloco(inner, sync_every=2)
-    with pytest.raises(ValueError, match="params"):
+    with pytest.raises(
+        ValueError, match=r"`diloco` needs `params`: call it as tx.update\(updates, state, params\)"
+    ):
         jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 3)))
     with pytest.raises(jd.UnboundAxisError, match="diloco"):
         tx.update(jnp.ones(3), tx.init(jnp.ones(3)), jnp.ones(3))

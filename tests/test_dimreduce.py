@@ -522,6 +522,17 @@ def test_update_with_wrong_sized_gradients_is_rejected():
         jax.vmap(fn, axis_name="data")({"a": jnp.ones((2, 3))})
 
 
+def test_update_without_params_is_rejected():
+    tx = dim_reduce(np.eye(7, dtype=np.float32)[:2])
+    params = _params0(np.random.default_rng(0))
+    f = lambda q: jnp.sum(_flat(q))  # noqa: E731
+
+    with pytest.raises(ValueError, match=r"`dim_reduce` needs `params`: call it as"):
+        jax.vmap(lambda g: tx.update(g, tx.init(params), value=f(params), value_fn=f)[0], axis_name="data")(
+            jax.tree.map(lambda p: jnp.stack([p, p]), params)
+        )
+
+
 @pytest.mark.parametrize(
     "basis, match",
     [

@@ -451,5 +451,5 @@ def test_bad_inputs():
         tx = gossip("torus", shape=(3, 3))
         jax.vmap(lambda u: tx.update(u, tx.init(u), u)[0], axis_name="data")(x)
     tx = gossip()
-    with pytest.raises(ValueError, match=r"`gossip` needs `params`"):
+    with pytest.raises(ValueError, match=r"`gossip` needs `params`: call it as"):
         jax.vmap(lambda u: tx.update(u, tx.init(u))[0], axis_name="data")(x)

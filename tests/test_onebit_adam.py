@@ -218,6 +218,9 @@ def test_worker_count_mismatch_and_unbound_axis():
         jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 3)))
     with pytest.raises(NameError, match="onebit_adam"):
         tx.update(jnp.ones(3), tx.init(jnp.ones(3)))
+    tx = jd.onebit_adam(1e-3, freeze_step=1, num_workers=2, weight_decay=0.1)
+    with pytest.raises(ValueError, match=r"`onebit_adam` needs `params` \(with weight_decay\): call it as"):
+        jax.vmap(lambda g: tx.update(g, tx.init(g)), axis_name="data")(jnp.ones((2, 3)))
 
 
 def test_wire_is_about_32x_smaller_than_dense():

@@ -679,5 +679,5 @@ def test_other_bad_inputs_and_unbound_axis():
     with pytest.raises(ValueError, match=r"`max_consecutive_errors` must be an int >= 0"):
         apply_if_finite_everywhere(jd.sgd(0.1), -1)
     tx = master_weights(jd.sgd(0.1))
-    with pytest.raises(ValueError, match=r"`master_weights` needs `params`"):
+    with pytest.raises(ValueError, match=r"`master_weights` needs `params`: call it as"):
         tx.update(jnp.ones(2), tx.init(jnp.ones(2)))

@@ -267,7 +267,7 @@ def average_params(
         del extra_args
         comm.require_axis(axis_name, "average_params")
         if params is None:
-            raise ValueError("`average_params` needs `params` in update(updates, state, params).")
+            raise ValueError(base.no_params_message("average_params"))
         u_leaves, treedef = jax.tree.flatten(updates)
         p_leaves = treedef.flatten_up_to(params)
         groups = _balanced_groups(base.leaf_sizes(u_leaves), num_partitions)

@@ -131,8 +131,9 @@ def iterate_average(
         del extra_args
         if params is None:
             raise ValueError(
-                "`iterate_average` needs `params` in update(updates, state, params): it averages "
-                "params + updates, so put it last in the chain."
+                base.no_params_message(
+                    "iterate_average", "it averages params + updates, so put it last in the chain"
+                )
             )
         t = state.count
         if weighting == "uniform":

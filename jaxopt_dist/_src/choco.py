@@ -188,7 +188,7 @@ def choco_gossip(
         del extra_args
         n = comm.require_axis(axis_name, "choco_gossip")
         if params is None:
-            raise ValueError("`choco_gossip` needs `params` in update(updates, state, params).")
+            raise ValueError(base.no_params_message("choco_gossip"))
         _, terms = mixing_plan(topology, n, weights=weights, shape=shape, step=0)
         idx = comm.axis_index(axis_name, caller="choco_gossip")
         x = jax.tree.map(lambda p, u, h: p.astype(h.dtype) + u.astype(h.dtype), params, updates, state.public)

@@ -253,7 +253,7 @@ def decoupled_momentum(
         del extra_args
         comm.require_axis(axis_name, "decoupled_momentum")
         if use_wd and params is None:
-            raise ValueError("`decoupled_momentum` with weight_decay needs `params` in update().")
+            raise ValueError(base.no_params_message("decoupled_momentum", "with weight_decay"))
         lr = base.resolve(learning_rate, state.count)
         beta = base.resolve(decay, state.count)
         g_leaves, treedef = jax.tree.flatten(updates)

@@ -291,7 +291,7 @@ def diloco(
     def update_fn(updates, state, params=None, **extra_args):
         comm.require_axis(axis_name, "diloco")
         if params is None:
-            raise ValueError("`diloco` needs `params` in update(updates, state, params).")
+            raise ValueError(base.no_params_message("diloco"))
         count = state.count
         inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         local = optax.apply_updates(params, inner_updates)

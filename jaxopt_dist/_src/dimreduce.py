@@ -335,7 +335,7 @@ def dim_reduce(
         del extra_args
         n = comm.require_axis(axis_name, "dim_reduce")
         if params is None:
-            raise ValueError("`dim_reduce` needs `params` in update(updates, state, params, ...).")
+            raise ValueError(base.no_params_message("dim_reduce"))
         if value is None or value_fn is None:
             raise ValueError(
                 "`dim_reduce` needs the line-search extra args `value` (this worker's loss at "

@@ -243,7 +243,7 @@ def gossip(
         del extra_args
         n = comm.require_axis(axis_name, "gossip")
         if params is None:
-            raise ValueError("`gossip` needs `params` in update(updates, state, params).")
+            raise ValueError(base.no_params_message("gossip"))
         u_leaves, treedef = jax.tree.flatten(updates)
         p_leaves = treedef.flatten_up_to(params)
         g = base.resolve(gamma, state.count)

@@ -264,7 +264,7 @@ def onebit_adam(
         if n != n_cfg:
             raise ValueError(f"`onebit_adam` was built with num_workers={n_cfg} but runs on {n} workers.")
         if use_wd and params is None:
-            raise ValueError("`onebit_adam` with weight_decay needs `params` in update().")
+            raise ValueError(base.no_params_message("onebit_adam", "with weight_decay"))
         g_leaves, treedef = jax.tree.flatten(updates)
         mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         g32 = [g.astype(jnp.float32) for g in g_leaves]

@@ -483,7 +483,7 @@ def master_weights(
 
     def update_fn(updates, state, params=None, **extra_args):
         if params is None:
-            raise ValueError("`master_weights` needs `params` in update(updates, state, params).")
+            raise ValueError(base.no_params_message("master_weights"))
         grads = jax.tree.map(lambda g, w: jnp.asarray(g).astype(w.dtype), updates, state.master)
         extra = dict(extra_args)
         if extra.get("value_fn") is not None:
