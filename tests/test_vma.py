@@ -242,3 +242,135 @@ def test_all_reduce_tuple_axis_partly_summed():
             functools.partial(body, reduction), mesh=mesh, in_specs=P("a"), out_specs=P(), check_vma=True
         )
         np.testing.assert_allclose(jax.jit(f)(x), ref, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# A user's own step with the state replicated (out_specs=P()): updates that arrive
+# already reduced keep the residual replicated, and the numbers are those of
+# per-worker gradients with that sum (or mean).
+
+
+LINEAR_STATEFUL = {
+    "random_k": lambda **kw: jd.random_k(density=0.4, seed=3, **kw),
+    "block_k": lambda **kw: jd.block_k(density=0.4, seed=3, **kw),
+    "powersgd": lambda **kw: jd.powersgd(rank=2, **kw),
+    "powersgd(one_allreduce)": lambda **kw: jd.powersgd(rank=1, one_allreduce=True, start_step=1, **kw),
+    "powersgd(cold)": lambda **kw: jd.powersgd(rank=1, warm_start=False, min_compression_rate=0.0, **kw),
+}
+STEP_SHAPES = {"w": (12, 6), "c": (2, 3, 4, 5), "b": (6,)}
+
+
+def _loss(params, batch):
+    """Linear in the parameters: a worker's gradient is its batch."""
+    return sum(jnp.vdot(params[k], batch[k]) for k in params)
+
+
+def _replicated_state_steps(tx, grads_seq, params, reduce_grads):
+    """``T`` steps of a user's own ``jax.shard_map(check_vma=True)`` step on
+    ``jax.make_mesh((n,), ("data",))``: params, state and updates replicated (``P()``),
+    the batch split over the workers. The gradients reach ``tx`` typed invariant: summed
+    by autodiff (``"grad"``: the replicated params differentiated directly) or
+    ``pmean``-ed by the user (``"pmean"``). Returns the stacked updates and the final state."""
+    T, n = np.shape(jax.tree.leaves(grads_seq)[0])[:2]
+    mesh = helpers.make_mesh(n)
+
+    def step(params, state, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)
+        if reduce_grads == "grad":
+            grads = jax.grad(_loss)(params, batch)
+        else:
+            own = jax.grad(_loss)(jax.lax.pcast(params, "data", to="varying"), batch)
+            grads = jax.lax.pmean(own, "data")
+        return tx.update(grads, state, params)
+
+    f = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P()), check_vma=True)
+    )
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    params = jax.device_put(params, replicated)
+    state = jax.device_put(tx.init(params), replicated)
+    updates = []
+    for t in range(T):
+        batch = jax.tree.map(lambda x: x[t], grads_seq)
+        u, state = f(params, state, jax.device_put(batch, jax.sharding.NamedSharding(mesh, P("data"))))
+        updates.append(u)
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *updates), state
+
+
+@pytest.mark.parametrize("reduce_grads", ["grad", "pmean"])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", sorted(LINEAR_STATEFUL))
+def test_replicated_state_from_reduced_updates(name, n, reduce_grads):
+    T = 3
+    mode = "sum" if reduce_grads == "grad" else "mean"
+    tx = LINEAR_STATEFUL[name](invariant_updates=mode)
+    grads_seq = helpers.grads_seq(11, T, n, STEP_SHAPES)  # (T, n, ...): worker i's gradient
+    params = helpers.zeros(STEP_SHAPES)
+    got, state = _replicated_state_steps(tx, grads_seq, params, reduce_grads)
+    # Documented: the output depends only on the mean, so it is that of per-worker gradients.
+    ref_updates, _, ref_state = helpers.run_steps(tx, grads_seq, params, backend="shard_map")
+    tol = dict(rtol=1e-4, atol=1e-5) if name.startswith("powersgd") else dict(rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(got, ref_updates, **tol)
+    # The replicated residual is the workers' mean residual; the rest of the state is equal.
+    helpers.assert_trees_close(state.residual, _np_mean(ref_state.residual), **tol)
+    helpers.assert_trees_close(state.inner_state, jax.tree.map(lambda x: x[0], ref_state.inner_state), **tol)
+    assert int(state.count) == T
+
+
+@pytest.mark.parametrize("name", ["random_k", "powersgd"])
+def test_replicated_state_without_error_feedback(name):
+    tx = LINEAR_STATEFUL[name](error_feedback=False)
+    grads_seq = helpers.grads_seq(2, 2, 4, STEP_SHAPES)
+    params = helpers.zeros(STEP_SHAPES)
+    got, state = _replicated_state_steps(tx, grads_seq, params, "grad")
+    ref, _, _ = helpers.run_steps(tx, grads_seq, params, backend="shard_map")
+    helpers.assert_trees_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert state.residual == ()
+
+
+@pytest.mark.parametrize("name", ["top_k", "threshold", "scaled_sign", "qsgd", "sign_majority_vote"])
+@pytest.mark.parametrize("reduce_grads", ["grad", "pmean"])
+def test_replicated_state_nonlinear_raises_with_the_fix(name, reduce_grads):
+    """Nonlinear compressors cannot run on the sum or the mean: an error, not a vma failure."""
+    tx = NONLINEAR[name]()
+    grads_seq = helpers.grads_seq(0, 1, 2, STEP_SHAPES)
+    with pytest.raises(jd.AlreadyReducedError, match="pcast"):
+        _replicated_state_steps(tx, grads_seq, helpers.zeros(STEP_SHAPES), reduce_grads)
+
+
+@pytest.mark.devices(4)
+@pytest.mark.parametrize("name", ["random_k", "powersgd"])
+def test_residual_stays_invariant_over_the_reduced_axis_of_a_tuple(name):
+    """Gradients varying over "a" and already summed over "b": the residual is per-"a", replicated over "b"."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4])
+    tx = LINEAR_STATEFUL[name](axis_name=("a", "b"))
+    rng = np.random.default_rng(4)
+    per_worker = {k: rng.normal(size=(2, 2, *s)).astype(np.float32) for k, s in STEP_SHAPES.items()}
+    state0 = tx.init(helpers.zeros(STEP_SHAPES))
+    mask = jax.tree.map(lambda _: False, state0)._replace(
+        residual=jax.tree.map(lambda _: True, state0.residual)
+    )
+
+    def body(g, s):
+        g = jax.tree.map(lambda x: x[0], g)
+        s = jax.tree.map(lambda x, m: x[0] if m else x, s, mask)
+        for _ in range(2):
+            u, s = tx.update(g, s)
+        return u, jax.tree.map(lambda x, m: x[None] if m else x, s, mask)
+
+    def run(grads, axes):
+        specs = jax.tree.map(lambda m: P(axes) if m else P(), mask)
+        reps = np.shape(jax.tree.leaves(grads)[0])[0]
+        state = jax.tree.map(lambda x, m: np.broadcast_to(x, (reps, *np.shape(x))) if m else x, state0, mask)
+        put = lambda tree, spec: jax.tree.map(  # noqa: E731
+            lambda x, sp: jax.device_put(x, jax.sharding.NamedSharding(mesh, sp)), tree, spec
+        )
+        g_specs = jax.tree.map(lambda _: P(axes), grads)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(g_specs, specs), out_specs=(P(), specs), check_vma=True)
+        return jax.jit(f)(put(grads, g_specs), put(state, specs))
+
+    u, s = run(jax.tree.map(lambda x: x.sum(1), per_worker), "a")
+    u_ref, s_ref = run(jax.tree.map(lambda x: x.reshape(4, *x.shape[2:]), per_worker), ("a", "b"))
+    helpers.assert_trees_close(u, u_ref, rtol=1e-4, atol=1e-5)
+    mean_over_b = jax.tree.map(lambda x: np.asarray(x).reshape(2, 2, *x.shape[1:]).mean(1), s_ref.residual)
+    helpers.assert_trees_close(s.residual, mean_over_b, rtol=1e-4, atol=1e-5)

@@ -734,6 +734,7 @@ def per_worker_share(
     invariant_updates: str = "sum",
     linear: bool = True,
     caller: str | None = None,
+    cast: bool = True,
 ) -> Any:
     """Turns already-reduced leaves into per-worker shares with the same total.
 
@@ -744,6 +745,11 @@ def per_worker_share(
     ``axis_name`` gives exactly the total or mean it stands for. Transforms whose
     output depends only on the mean of their inputs (all-reduce, random-k and
     block-k with shared indices, PowerSGD) are then exact.
+
+    With ``cast=False`` a share keeps its type, invariant over ``R``: it is the
+    same on every worker there, so what follows from it alone (an
+    error-feedback residual) stays typed invariant, and a mean over ``R`` of
+    it is itself (``reduce(..., invariant_updates="mean")`` takes it so).
 
     Raises:
       AlreadyReducedError: some leaf is already reduced and ``linear`` is False
@@ -762,7 +768,8 @@ def per_worker_share(
             if invariant_updates == "sum":
                 size = math.prod(axis_size(a, caller=caller) for a in axes)
                 x = (x / jnp.asarray(size, x.dtype)).astype(x.dtype)
-            x = jax.lax.pcast(x, axes, to="varying")
+            if cast:
+                x = jax.lax.pcast(x, axes, to="varying")
         out.append(x)
     return jax.tree.unflatten(treedef, out)
 

@@ -81,7 +81,10 @@ class Compressor(NamedTuple):
         choice for nonlinear compressors) raises an error that shows the fix.
       linear: whether the output depends only on the mean of the inputs over
         the workers (random-k, block-k, PowerSGD). Nonlinear compressors
-        always reject already-summed updates.
+        always reject already-summed updates. A linear compressor receives
+        the share of such a leaf still typed invariant (the same on every
+        worker, its own mean), so that the residual and everything else
+        computed from it alone stay invariant.
       returns_residual: ``compress`` returns the residual (``updates`` minus
         the contribution) in place of the contribution. A sparsifier then
         zeroes the sent entries of the corrected updates in place, where the
@@ -172,6 +175,7 @@ def error_feedback(
                 invariant_updates=compressor.invariant_updates,
                 linear=compressor.linear,
                 caller=compressor.name,
+                cast=False,
             )
         if enabled:
             corrected = jax.tree.map(

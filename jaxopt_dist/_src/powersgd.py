@@ -394,7 +394,11 @@ def powersgd(
       * before ``start_step``: one all-reduce of every leaf (``lax.cond``).
 
       Outputs are replicated; ``count``, ``key``, ``p`` and ``q`` are
-      replicated; the residual is per-worker.
+      replicated; the residual is per-worker. A leaf that arrives already
+      reduced (typed invariant, see ``invariant_updates``) while its residual
+      is replicated is the same on every worker: its factors are averaged
+      without communication, and its residual stays replicated, so a
+      ``shard_map`` step can keep the whole state with ``out_specs=P()``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
@@ -487,10 +491,23 @@ def powersgd(
                     contribution[i] = x
             for i, x in zip(plan.dense, dense_mean):
                 out[i] = x
-            return out, comm.to_varying(contribution, axis_name)
+            return out, like_inputs(contribution, leaves)
+
+        def like_inputs(contribution, leaves):
+            """``contribution`` typed varying over the axes its input leaf varies over (all of
+            them but where the updates arrived reduced), so that every branch types it alike."""
+            names = base.axis_names(axis_name)
+            return [
+                comm.to_varying(c, tuple(a for a in names if a not in r))
+                for c, r in zip(contribution, comm.reduced_axes(leaves, axis_name))
+            ]
 
         def mean(arrays):
-            return comm.reduce(list(arrays), axis_name, flatten=True, caller="powersgd")
+            # A leaf typed invariant (updates that arrived reduced, with a replicated residual)
+            # is the same on every worker: its own mean, and what follows from it stays invariant.
+            return comm.reduce(
+                list(arrays), axis_name, flatten=True, caller="powersgd", invariant_updates="mean"
+            )
 
         def cast_like(new, old):
             return tuple(x.astype(o.dtype) for x, o in zip(new, old))
@@ -500,7 +517,7 @@ def powersgd(
         def dense_step(leaves, p_state, q_state, count):
             del count
             out = mean(leaves)
-            return out, comm.to_varying(list(leaves), axis_name), p_state, q_state
+            return out, list(leaves), p_state, q_state
 
         def two_sided_step(leaves, p_state, q_state, count):
             mats = matrices(leaves)

@@ -612,7 +612,11 @@ def _shared_compressor(
                 sent.append(take(v))
                 puts.append(put)
                 residual.append(drop(v))
-        means = comm.reduce(sent, axis_name, reduction="mean", flatten=True, caller=caller)
+        # A leaf typed invariant (updates that arrived reduced, with a replicated residual)
+        # is the same on every worker: its own mean, and what follows from it stays invariant.
+        means = comm.reduce(
+            sent, axis_name, reduction="mean", flatten=True, caller=caller, invariant_updates="mean"
+        )
         out = [m if put is None else put(m) for m, put in zip(means, puts)]
         return (
             _unflatten(treedef, leaves, out),
@@ -760,7 +764,11 @@ def random_k(
       ``sum_l min(k_l, d_l) b_l`` bytes per worker (``b_l`` the itemsize):
       the chosen values of the sparse leaves and every entry of the dense
       ones, fused into one buffer. No indices travel. Outputs and ``key`` are
-      replicated; the residual is per-worker.
+      replicated; the residual is per-worker. A leaf that arrives already
+      reduced (typed invariant, see ``invariant_updates``) while its residual
+      is replicated is the same on every worker: it does not travel, and its
+      residual stays replicated, so a ``shard_map`` step can keep the whole
+      state with ``out_specs=P()``.
 
     References:
       Stich, Cordonnier and Jaggi, `Sparsified SGD with Memory
@@ -824,7 +832,8 @@ def block_k(
     Communication:
       As :func:`random_k`: one all-reduce (mean) per dtype, of
       ``sum_l min(k_l, d_l) b_l`` bytes per worker. Outputs and ``key`` are
-      replicated; the residual is per-worker.
+      replicated; the residual is per-worker, or replicated for updates that
+      arrive already reduced, as there.
 
     References:
       mlbench ``CentralizedSparsifiedSGD(random_sparse=False)`` (blockwise).
