@@ -108,7 +108,7 @@ def train(make, per_worker_params: bool, *, steps: int, seed: int, batch_size: i
 
 def steady_bytes(make, steps: int, start: int = 0) -> tuple[float, float]:
     """(bytes sent per worker at step ``start``, dense all-reduce bytes), from ``communication_cost``."""
-    cost = jd.communication_cost(make(steps), _common.mlp_init(0), axis_size=N, steps=1, start=start)
+    cost = jd.communication_cost(make(steps), _common.mlp_init(0), num_workers=N, steps=1, start=start)
     return cost.sent_bytes, cost.dense_bytes
 
 

@@ -56,7 +56,7 @@ def communication_table(worker_counts, models) -> str:
         params_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(params))
         for n in worker_counts:
             for name, make in methods.items():
-                cost = jd.communication_cost(make(), params, axis_size=n)
+                cost = jd.communication_cost(make(), params, num_workers=n)
                 (step,) = [s for s in cost.steps if s.step in set(cost.period)][:1] or cost.steps[:1]
                 latency = sum(c.rounds() for c in step.collectives)
                 rows.append(

@@ -315,7 +315,7 @@ def main() -> None:
     print(head)
     print("-" * len(head))
     for label, make in methods().items():
-        cost = jd.communication_cost(make(), full, axis_size=N_WORKERS)
+        cost = jd.communication_cost(make(), full, num_workers=N_WORKERS)
         kinds = "+".join(sorted(cost.by_kind()))
         print(
             f"{label:<26}{_common.fmt_bytes(cost.sent_bytes):>12}{kinds:>13}{cost.compression_ratio:>9.1f}x"
@@ -337,7 +337,7 @@ def main() -> None:
     dense_ms = None
     for label, make in methods().items():
         tx = make()
-        cost = jd.communication_cost(tx, params, axis_size=N_WORKERS)
+        cost = jd.communication_cost(tx, params, num_workers=N_WORKERS)
         fn, fargs = build_step(tx, params, mesh)
         hlo_bytes, hlo_elems = hlo_program_bytes(fn, fargs)
         program = sum(c.sent_bytes() for c in cost.sites)
@@ -358,9 +358,9 @@ def main() -> None:
     print("\nPowerSGD compression ratio on the full ResNet-18 vs the paper (Vogels et al. 2019, Table 6):")
     all_ok = True
     for rank, paper in PAPER_RATIOS.items():
-        ratio = jd.communication_cost(jd.powersgd(rank), full, axis_size=N_WORKERS).compression_ratio
+        ratio = jd.communication_cost(jd.powersgd(rank), full, num_workers=N_WORKERS).compression_ratio
         one = jd.communication_cost(
-            jd.powersgd(rank, one_allreduce=True), full, axis_size=N_WORKERS
+            jd.powersgd(rank, one_allreduce=True), full, num_workers=N_WORKERS
         ).compression_ratio
         ok = abs(ratio / paper - 1) <= 0.02
         all_ok &= ok

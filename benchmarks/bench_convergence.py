@@ -145,7 +145,7 @@ def main(argv=None):
             params, loss = run(make(name, lr, mom), x=x_train, y=y_train, seed=seed)
             accs.append(accuracy(model, params, x_test, y_test))
             losses.append(loss)
-        cost = jd.communication_cost(make(name, lr, mom), params0, axis_size=n)
+        cost = jd.communication_cost(make(name, lr, mom), params0, num_workers=n)
         results.append((name, lr, mom, accs, losses, cost.compression_ratio))
         print(f"  {name}: lr={lr:g} momentum={mom:g} test acc {100 * np.mean(accs):.1f}%", flush=True)
 

@@ -112,7 +112,7 @@ def main() -> None:
             w = jd.mixing_matrix(kwargs["topology"], N_WORKERS, shape=kwargs.get("shape"))
             gap = f"{jd.spectral_gap(w):.3f}"
             cost_tx = jd.gossip(**kwargs)
-        sent = jd.communication_cost(cost_tx, params, axis_size=N_WORKERS).sent_bytes
+        sent = jd.communication_cost(cost_tx, params, num_workers=N_WORKERS).sent_bytes
         distances, acc_workers, acc_avg = train(
             tx,
             data,

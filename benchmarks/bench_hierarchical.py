@@ -132,7 +132,7 @@ def worker(args: argparse.Namespace) -> None:
             p, s, m = step(p, s, batch_at(t))
         jax.block_until_ready(p)
         runs[name] = [step, p, s]
-        cost = jd.communication_cost(tx, params0, axis_size=sizes, axis_name=AXES)
+        cost = jd.communication_cost(tx, params0, num_workers=sizes, axis_name=AXES)
         per_axis = {repr(k): v.sent_bytes for k, v in cost.by_axis().items()}
         for rate in rates:
             results[rate][name] = {"seconds": [], "veth": [], "lo": [], "per_axis": per_axis, "steps": 0}

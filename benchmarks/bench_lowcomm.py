@@ -187,7 +187,7 @@ def train(name: str, model: str, steps: int, seed: int, data) -> float:
 
 def cost(name: str, model: str, steps: int) -> jd.CommunicationCost:
     tx = METHODS[name]["make"](steps)
-    return jd.communication_cost(tx, MODELS[model][0](0), axis_size=N)
+    return jd.communication_cost(tx, MODELS[model][0](0), num_workers=N)
 
 
 def _acc(values: list[float]) -> str:
