@@ -30,6 +30,8 @@ def test_demo_runs_every_method(tmp_path, capsys):
     assert by["powersgd_r1"]["bytes_per_step"] < by["dense"]["bytes_per_step"] / 10
     # Half the bytes; the 16-bit ring pads the buffer to a multiple of the worker count.
     assert by["bf16"]["compression_ratio"] == pytest.approx(2.0, rel=1e-3)
+    # bf16 parameters too: still compared with a float32 all-reduce of the same parameters.
+    assert by["bf16_loss_scale"]["compression_ratio"] == pytest.approx(2.0, rel=1e-2)
     assert (tmp_path / "loss_vs_step.png").stat().st_size > 10_000
     assert (tmp_path / "loss_vs_bytes.png").stat().st_size > 10_000
 
