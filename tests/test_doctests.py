@@ -11,11 +11,14 @@ import pytest
 import jaxopt_dist
 import jaxopt_dist._src
 
-MODULES = sorted(m.name for m in pkgutil.iter_modules(jaxopt_dist._src.__path__, "jaxopt_dist._src."))
+# Every module, those inside the training and accounting packages included.
+MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxopt_dist._src.__path__, "jaxopt_dist._src."))
 
 
 def test_every_module_is_listed():
     assert "jaxopt_dist._src.comm" in MODULES and len(MODULES) >= 10
+    assert "jaxopt_dist._src.training.step" in MODULES
+    assert "jaxopt_dist._src.accounting.walk" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

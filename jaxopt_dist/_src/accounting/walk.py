@@ -444,8 +444,8 @@ def communication_cost(
       start: the first step counted.
       platform: the platform whose program is counted, as a
         :class:`jaxopt_dist.Platform`; the update is traced under
-        :func:`jaxopt_dist.use_platform`. None (default): this process's
-        own. Some transforms send other bytes on other platforms, e.g.
+        :func:`jaxopt_dist.use_platform`. None (default): the facts in
+        force (an enclosing ``use_platform``, else this process's). Some transforms send other bytes on other platforms, e.g.
         ``all_reduce()`` packs its leaves into one buffer per dtype on CPU
         across processes: ``platform=jd.Platform("cpu", multi_process=True)``
         counts what the workers of such a job send, from one process.
@@ -482,7 +482,7 @@ def communication_cost(
     if steps is not None:
         steps = base.check_positive_int(steps, "steps")
     start = base.check_positive_int(start, "start", minimum=0)
-    with trace.outside_user_mesh(), comm.use_platform(platform):
+    with trace.outside_user_mesh(), comm.use_platform(platform or comm.platform()):
         return _count(tx, params, sizes, axis_name, steps=steps, start=start)
 
 
