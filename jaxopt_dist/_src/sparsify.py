@@ -95,15 +95,6 @@ def _flat_plan(total: int, k: int | None, density: float | None, caller: str) ->
     return kk if kk < total else None
 
 
-def _sizes(tree: Any) -> list[int]:
-    return [math.prod(x.shape) for x in jax.tree.leaves(tree)]
-
-
-def _acc_dtype(dtype: Any) -> Any:
-    """Accumulate in at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 # ----------------------------------------------------------------------------
 # The two exchanges.
 
@@ -115,7 +106,7 @@ def _scatter_mean(size: int, indices: jax.Array, values: jax.Array, n: int, dtyp
     are unique, so the sum has one fixed rounding order on every worker (no
     atomics on accelerators) and replicas stay bit-identical.
     """
-    acc = _acc_dtype(dtype)
+    acc = base.accumulation_dtype(dtype)
     values = values.astype(acc)
 
     def body(w, total):
@@ -202,9 +193,9 @@ def _top_k_compressor(
 ) -> ef.Compressor:
     def check(tree):
         if per_leaf:
-            _leaf_plan(_sizes(tree), k, density, "top_k")
+            _leaf_plan(base.leaf_sizes(tree), k, density, "top_k")
         else:
-            _flat_plan(sum(_sizes(tree)), k, density, "top_k")
+            _flat_plan(sum(base.leaf_sizes(tree)), k, density, "top_k")
 
     def init(params):
         check(params)
@@ -218,7 +209,7 @@ def _top_k_compressor(
         if not leaves:
             return updates, updates, state
         if per_leaf:
-            plan = _leaf_plan(_sizes(updates), k, density, "top_k")
+            plan = _leaf_plan(base.leaf_sizes(updates), k, density, "top_k")
             vectors = [jnp.ravel(x) for x in leaves]
             selections = [None if kl is None else _largest(v, kl) for v, kl in zip(vectors, plan)]
             out = _gather_exchange(vectors, selections, axis_name, "top_k")
@@ -226,7 +217,7 @@ def _top_k_compressor(
                 jnp.zeros_like(v) if sel is None else _drop(v, sel[1]) for v, sel in zip(vectors, selections)
             ]
             return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, residual), state
-        p = _flat_plan(sum(_sizes(updates)), k, density, "top_k")
+        p = _flat_plan(sum(base.leaf_sizes(updates)), k, density, "top_k")
         if p is None:  # k == every entry: all dense
             vectors = [jnp.ravel(x) for x in leaves]
             out = _gather_exchange(vectors, [None] * len(vectors), axis_name, "top_k")
@@ -241,7 +232,9 @@ def _top_k_compressor(
         return None if kl is None else _largest(v, kl)
 
     codec = (
-        _sparse_codec(lambda tree: _leaf_plan(_sizes(tree), k, density, "top_k"), pick) if per_leaf else None
+        _sparse_codec(lambda tree: _leaf_plan(base.leaf_sizes(tree), k, density, "top_k"), pick)
+        if per_leaf
+        else None
     )
     return ef.Compressor(init, compress, codec, axis_name=axis_name, name="top_k", returns_residual=True)
 
@@ -369,20 +362,16 @@ def top_k(
     """
     _check_k_density(k, density, "top_k")
     axis_name = base.validate_axis_name(axis_name)
-    _check_bool(error_feedback, "error_feedback")
-    _check_bool(per_leaf, "per_leaf")
+    base.check_bool(error_feedback, "error_feedback")
+    base.check_bool(per_leaf, "per_leaf")
     return ef.error_feedback(_top_k_compressor(k, density, per_leaf, axis_name), enabled=error_feedback)
-
-
-def _check_bool(flag: Any, name: str) -> None:
-    if not isinstance(flag, bool):
-        raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
 
 
 # ----------------------------------------------------------------------------
 # threshold.
 
 
+@base.reshard_rules()
 class ThresholdState(NamedTuple):
     """Inner state of :func:`jaxopt_dist.threshold` (inside an ``ErrorFeedbackState``).
 
@@ -480,7 +469,7 @@ def threshold(
     base.check_hyperparameter(threshold, "threshold", lower=0.0)
     capacity = base.check_positive_int(capacity, "capacity")
     axis_name = base.validate_axis_name(axis_name)
-    _check_bool(error_feedback, "error_feedback")
+    base.check_bool(error_feedback, "error_feedback")
     return ef.error_feedback(_threshold_compressor(threshold, capacity, axis_name), enabled=error_feedback)
 
 
@@ -488,6 +477,7 @@ def threshold(
 # random_k and block_k: shared choice, values through a plain mean.
 
 
+@base.reshard_rules()
 class RandomKState(NamedTuple):
     """Inner state of :func:`jaxopt_dist.random_k` (inside an ``ErrorFeedbackState``).
 
@@ -498,6 +488,7 @@ class RandomKState(NamedTuple):
     key: jax.Array  # uint32[2], replicated
 
 
+@base.reshard_rules()
 class BlockKState(NamedTuple):
     """Inner state of :func:`jaxopt_dist.block_k` (inside an ``ErrorFeedbackState``).
 
@@ -592,7 +583,7 @@ def _shared_compressor(
     zeroes the sent entries of a flat leaf (``v - put(take(v))``: the residual)."""
 
     def init(params):
-        _leaf_plan(_sizes(params), k, density, caller)
+        _leaf_plan(base.leaf_sizes(params), k, density, caller)
         return state_cls(key=jax.random.PRNGKey(seed))
 
     def compress(updates, state, params=None, **extra_args):
@@ -626,7 +617,7 @@ def _shared_compressor(
 
     def plan_and_puts(tree, state):
         leaves = jax.tree.leaves(tree)
-        plan = _leaf_plan(_sizes(tree), k, density, caller)
+        plan = _leaf_plan(base.leaf_sizes(tree), k, density, caller)
         _, step_key = jax.random.split(state.key)
         sparse = [
             (li, math.prod(x.shape), kl) for li, (x, kl) in enumerate(zip(leaves, plan)) if kl is not None
@@ -699,8 +690,25 @@ def _block_triple(start: jax.Array, size: int, k: int):
     return take, put, drop
 
 
-def _check_seed(seed: Any) -> int:
-    return base.check_positive_int(seed, "seed", minimum=0)
+def _shared_sparsifier(
+    caller: str,
+    k: int | None,
+    density: float | None,
+    axis_name: base.AxisName,
+    error_feedback: bool,
+    seed: int,
+    invariant_updates: str,
+    state_cls: Callable[..., Any],
+    pick: Callable[..., list[tuple[Callable[[jax.Array], jax.Array], ...]]],
+) -> optax.GradientTransformationExtraArgs:
+    """:func:`random_k` or :func:`block_k` (``caller``) from their arguments, checked."""
+    _check_k_density(k, density, caller)
+    axis_name = base.validate_axis_name(axis_name)
+    base.check_bool(error_feedback, "error_feedback")
+    seed = base.check_positive_int(seed, "seed", minimum=0)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
+    comp = _shared_compressor(k, density, seed, axis_name, caller, state_cls, pick, invariant_updates)
+    return ef.error_feedback(comp, enabled=error_feedback)
 
 
 def random_k(
@@ -775,17 +783,19 @@ def random_k(
       <https://arxiv.org/abs/1809.07599>`_, 2018; mlbench
       ``CentralizedSparsifiedSGD(random_sparse=True)``.
     """
-    _check_k_density(k, density, "random_k")
-    axis_name = base.validate_axis_name(axis_name)
-    _check_bool(error_feedback, "error_feedback")
-    seed = _check_seed(seed)
-    invariant_updates = comm.check_invariant_mode(invariant_updates)
     if not isinstance(pattern, str) or pattern not in _PATTERNS:
         raise ValueError(f"`pattern` must be one of {_PATTERNS}; got {pattern!r}.")
-    comp = _shared_compressor(
-        k, density, seed, axis_name, "random_k", RandomKState, _pick_random(pattern), invariant_updates
+    return _shared_sparsifier(
+        "random_k",
+        k,
+        density,
+        axis_name,
+        error_feedback,
+        seed,
+        invariant_updates,
+        RandomKState,
+        _pick_random(pattern),
     )
-    return ef.error_feedback(comp, enabled=error_feedback)
 
 
 def block_k(
@@ -813,16 +823,13 @@ def block_k(
     Args:
       k: block length per leaf (Python int >= 1, at most the largest leaf's
         size); leaves with at most ``k`` entries are sent dense.
-      density: instead of ``k``, the fraction of each leaf's entries to send,
-        in (0, 1]: ``k_l = max(1, ceil(density * d_l))``.
-      axis_name: the mapped axis (or tuple of axes) of the workers.
-      error_feedback: keep the unsent part in a per-worker residual.
-      seed: seeds the shared key (Python int >= 0).
-      invariant_updates: what an update leaf typed invariant under
-        ``jax.shard_map(check_vma=True)`` stands for: ``"sum"`` over the
-        workers (the gradient of replicated parameters; the default), or
-        ``"mean"`` (gradients you pmean-ed yourself); either way the output
-        depends only on the mean, so it is exact. ``"error"`` rejects them.
+      density: instead of ``k``, the block length as a fraction of each
+        leaf's entries, as in :func:`random_k`.
+      axis_name: as in :func:`random_k`.
+      error_feedback: as in :func:`random_k`.
+      seed: seeds the shared key, as in :func:`random_k`.
+      invariant_updates: ``"sum"`` (default), ``"mean"`` or ``"error"``: what
+        an update leaf typed invariant stands for, as in :func:`random_k`.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is an
@@ -838,12 +845,6 @@ def block_k(
     References:
       mlbench ``CentralizedSparsifiedSGD(random_sparse=False)`` (blockwise).
     """
-    _check_k_density(k, density, "block_k")
-    axis_name = base.validate_axis_name(axis_name)
-    _check_bool(error_feedback, "error_feedback")
-    seed = _check_seed(seed)
-    invariant_updates = comm.check_invariant_mode(invariant_updates)
-    comp = _shared_compressor(
-        k, density, seed, axis_name, "block_k", BlockKState, _pick_block, invariant_updates
+    return _shared_sparsifier(
+        "block_k", k, density, axis_name, error_feedback, seed, invariant_updates, BlockKState, _pick_block
     )
-    return ef.error_feedback(comp, enabled=error_feedback)
