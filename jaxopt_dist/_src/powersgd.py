@@ -119,7 +119,7 @@ def orthogonalize(x: jax.Array, eps: jax.typing.ArrayLike = 0.0) -> jax.Array:
     float32; the result has ``x``'s dtype.
     """
     dtype = x.dtype
-    ct = jnp.promote_types(dtype, jnp.float32)
+    ct = base.accumulation_dtype(dtype)
     # Work on rows: the columns of x, each contiguous in memory.
     xt = jnp.swapaxes(x.astype(ct), -1, -2)  # (b, r, n)
     eps_ = jnp.asarray(eps, ct)
@@ -268,6 +268,7 @@ def fresh_q(key: jax.Array, count: jax.Array, plan_shapes: list[tuple[int, int, 
 # The transform.
 
 
+@base.reshard_rules()
 class PowerSGDState(NamedTuple):
     """State for :func:`jaxopt_dist.powersgd` (inside an :class:`ErrorFeedbackState`).
 
@@ -427,13 +428,9 @@ def powersgd(
         raise ValueError(f"`min_compression_rate` must be a finite float >= 0; got {min_compression_rate!r}.")
     base.check_hyperparameter(eps, "eps", lower=0.0)
     eps_schedule = eps
-    for flag, name in (
-        (error_feedback, "error_feedback"),
-        (warm_start, "warm_start"),
-        (one_allreduce, "one_allreduce"),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{name}` must be a bool; got {flag!r}.")
+    base.check_bool(error_feedback, "error_feedback")
+    base.check_bool(warm_start, "warm_start")
+    base.check_bool(one_allreduce, "one_allreduce")
     if one_allreduce and not warm_start:
         raise ValueError(
             "`one_allreduce=True` needs `warm_start=True`: each step reuses the factor "
@@ -534,26 +531,25 @@ def powersgd(
             out, contribution = finish(leaves, p_hat, q, reduced[len(groups) :])
             return out, contribution, p_state, cast_like(q, q_state) if warm_start else q_state
 
+        def half_step(leaves, stored, count, which, product):
+            """The stored factor (revived, orthonormalized) and the mean over the workers of
+            ``product(M, factor)``, with the dense leaves' means fused into the same all-reduce."""
+            mats = matrices(leaves)
+            factor = _revive([x.astype(dt) for x, dt in zip(stored, dtypes)], count, which)
+            factor = orthogonalize_all(factor, eps_t)
+            reduced = mean([product(a, x) for a, x in zip(mats, factor)] + dense_leaves(leaves))
+            return factor, reduced[: len(groups)], reduced[len(groups) :]
+
         def q_step(leaves, p_state, q_state, count):
             """Even half step: P from the state, Q = M^T P communicated."""
-            mats = matrices(leaves)
-            p_in = _revive([x.astype(dt) for x, dt in zip(p_state, dtypes)], count, 0)
-            p_in = orthogonalize_all(p_in, eps_t)
-            q = [_transpose_product(a, x) for a, x in zip(mats, p_in)]
-            reduced = mean(q + dense_leaves(leaves))
-            q = reduced[: len(groups)]
-            out, contribution = finish(leaves, p_in, q, reduced[len(groups) :])
+            p_in, q, dense_mean = half_step(leaves, p_state, count, 0, _transpose_product)
+            out, contribution = finish(leaves, p_in, q, dense_mean)
             return out, contribution, cast_like(p_in, p_state), cast_like(q, q_state)
 
         def p_step(leaves, p_state, q_state, count):
             """Odd half step: Q from the state, P = M Q communicated."""
-            mats = matrices(leaves)
-            q_in = _revive([x.astype(dt) for x, dt in zip(q_state, dtypes)], count, 1)
-            q_in = orthogonalize_all(q_in, eps_t)
-            p = [_product(a, x) for a, x in zip(mats, q_in)]
-            reduced = mean(p + dense_leaves(leaves))
-            p = reduced[: len(groups)]
-            out, contribution = finish(leaves, p, q_in, reduced[len(groups) :])
+            q_in, p, dense_mean = half_step(leaves, q_state, count, 1, _product)
+            out, contribution = finish(leaves, p, q_in, dense_mean)
             return out, contribution, cast_like(p, p_state), cast_like(q_in, q_state)
 
         operands = (leaves, state.p, state.q, count)
