@@ -402,7 +402,7 @@ def test_one_collective_for_all_ps_and_one_for_all_qs(kwargs, calls):
     # Two groups of compressed leaves plus dense leaves: still two all-reduces per step
     # (one with one_allreduce; one before start_step), each of one flat buffer.
     params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
-    cost = communication_cost(powersgd(2, **kwargs), params, axis_size=4, steps=1)
+    cost = communication_cost(powersgd(2, **kwargs), params, num_workers=4, steps=1)
     assert cost.calls == calls
     for c in cost.steps[0].collectives:
         assert c.kind == "all_reduce" and len(c.operands) == 1 and len(c.operands[0][0]) == 1
