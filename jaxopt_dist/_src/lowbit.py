@@ -111,12 +111,7 @@ def _decode(
 def _low_bit_compressor(
     grid: np.ndarray, bits: int, block_size: int, axis_name: base.AxisName
 ) -> ef.Compressor:
-    def compress(updates, state, params=None, **extra_args):
-        del params, extra_args
-        n = comm.require_axis(axis_name, "low_bit")
-        leaves, treedef = jax.tree.flatten(updates)
-        if not leaves:
-            return updates, updates, state
+    def compress(leaves, treedef, n):
         sizes = base.leaf_sizes(leaves)
         total = sum(sizes)
         chunk, blocks = _layout(total, n, block_size)
@@ -131,9 +126,12 @@ def _low_bit_compressor(
         )
         out = _decode(gathered, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
         sent = _decode(mine, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
-        return base.split_flat(out, leaves, treedef), base.split_flat(sent, leaves, treedef), state
+        return base.split_flat(out, leaves, treedef), base.split_flat(sent, leaves, treedef)
 
-    return ef.Compressor(lambda params: optax.EmptyState(), compress)
+    return ef.Compressor(
+        lambda params: optax.EmptyState(),
+        ef.stateless_compress(compress, axis_name=axis_name, caller="low_bit"),
+    )
 
 
 def low_bit(

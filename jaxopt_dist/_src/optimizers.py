@@ -425,6 +425,18 @@ class ScaleByAdamState(NamedTuple):
     b2_prod: Any  # float32[] (scheduled b2) or ()
 
 
+def _bias_correction(tracked: bool, prod: Any, beta: Any, t: jax.Array) -> tuple[Any, jax.Array]:
+    """``(running product, 1 - product)`` of a beta, ``t`` steps in (``t`` >= 1).
+
+    A tracked (scheduled) beta multiplies the running product in the state;
+    a constant one has no product (``()``) and uses ``1 - beta**t``.
+    """
+    if tracked:
+        p = prod * jnp.asarray(beta, jnp.float32)
+        return p, 1 - p
+    return (), 1 - jnp.asarray(beta, jnp.float32) ** t.astype(jnp.float32)
+
+
 def _scale_by_adam(
     b1: optax.ScalarOrSchedule,
     b2: optax.ScalarOrSchedule,
@@ -454,18 +466,8 @@ def _scale_by_adam(
         beta2 = base.resolve(b2, state.count)
         e = base.resolve(eps, state.count)
         t = jnp.asarray(optax.safe_increment(state.count))
-        if track1:
-            p1 = state.b1_prod * jnp.asarray(beta1, jnp.float32)
-            bc1 = 1 - p1
-        else:
-            p1 = ()
-            bc1 = 1 - jnp.asarray(beta1, jnp.float32) ** t.astype(jnp.float32)
-        if track2:
-            p2 = state.b2_prod * jnp.asarray(beta2, jnp.float32)
-            bc2 = 1 - p2
-        else:
-            p2 = ()
-            bc2 = 1 - jnp.asarray(beta2, jnp.float32) ** t.astype(jnp.float32)
+        p1, bc1 = _bias_correction(track1, state.b1_prod, beta1, t)
+        p2, bc2 = _bias_correction(track2, state.b2_prod, beta2, t)
 
         def moments(g, m, v):
             ct = base.accumulation_dtype(g.dtype)

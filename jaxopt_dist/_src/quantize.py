@@ -63,12 +63,7 @@ def _ordered_sum(n: int, term: Any, init: jax.Array) -> jax.Array:
 
 
 def _majority_vote_compressor(axis_name: base.AxisName) -> ef.Compressor:
-    def compress(updates, state, params=None, **extra_args):
-        del params, extra_args
-        n = comm.require_axis(axis_name, "sign_majority_vote")
-        leaves, treedef = jax.tree.flatten(updates)
-        if not leaves:
-            return updates, updates, state
+    def compress(leaves, treedef, n):
         total = sum(base.leaf_sizes(leaves))
         (gathered,) = comm.all_gather_packed([_pack_signs(leaves)], axis_name, caller="sign_majority_vote")
         negatives = _ordered_sum(
@@ -78,10 +73,13 @@ def _majority_vote_compressor(axis_name: base.AxisName) -> ef.Compressor:
         )
         vote = jnp.sign(n - 2 * negatives)
         own = _unpack_signs(_pack_signs(leaves), total, jnp.float32)
-        return base.split_flat(vote, leaves, treedef), base.split_flat(own, leaves, treedef), state
+        return base.split_flat(vote, leaves, treedef), base.split_flat(own, leaves, treedef)
 
     return ef.Compressor(
-        lambda params: optax.EmptyState(), compress, axis_name=axis_name, name="sign_majority_vote"
+        lambda params: optax.EmptyState(),
+        ef.stateless_compress(compress, axis_name=axis_name, caller="sign_majority_vote"),
+        axis_name=axis_name,
+        name="sign_majority_vote",
     )
 
 
@@ -144,12 +142,7 @@ def sign_majority_vote(
 
 
 def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
-    def compress(updates, state, params=None, **extra_args):
-        del params, extra_args
-        n = comm.require_axis(axis_name, "scaled_sign")
-        leaves, treedef = jax.tree.flatten(updates)
-        if not leaves:
-            return updates, updates, state
+    def compress(leaves, treedef, n):
         sizes = base.leaf_sizes(leaves)
         total = sum(sizes)
         scales = _mean_magnitudes(leaves)
@@ -175,11 +168,11 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
             mean = jax.tree.unflatten(treedef, means)
         # This worker's message, decoded: -scale where x < 0, +scale elsewhere (as the bits say).
         own = [jnp.where(x < 0, -scales[li], scales[li]).astype(x.dtype) for li, x in enumerate(leaves)]
-        return mean, jax.tree.unflatten(treedef, own), state
+        return mean, jax.tree.unflatten(treedef, own)
 
     return ef.Compressor(
         lambda params: optax.EmptyState(),
-        compress,
+        ef.stateless_compress(compress, axis_name=axis_name, caller="scaled_sign"),
         _scaled_sign_codec(),
         axis_name=axis_name,
         name="scaled_sign",
