@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +80,21 @@ def test_tree_order_documented():
     assert adasum_tree(5) == (((0, 4), 1), (2, 3))
     assert adasum_tree(6) == (((0, 4), (1, 5)), (2, 3))
     assert adasum_tree(8) == (((0, 1), (2, 3)), ((4, 5), (6, 7)))
-    with pytest.raises(ValueError, match=r"`n` must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"`num_workers` must be an int >= 1"):
         adasum_tree(0)
+
+
+def test_tree_takes_num_workers_and_the_deprecated_n():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = adasum_tree(num_workers=6)
+    assert new == adasum_tree(6)
+    with pytest.warns(DeprecationWarning, match=r"`n` is deprecated .* use `num_workers` instead") as record:
+        old = adasum_tree(n=6)
+    assert old == new
+    assert record[0].filename == __file__  # the warning points at the caller
+    with pytest.raises(TypeError, match=r"Pass `num_workers` only"):
+        adasum_tree(6, n=6)
 
 
 @pytest.mark.parametrize("backend", helpers.BACKENDS)

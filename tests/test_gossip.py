@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,6 +170,19 @@ def test_matrices_match_hand_built_and_are_doubly_stochastic(n):
         np.testing.assert_allclose(w.sum(0), 1.0, atol=1e-12)
         np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-12)
     np.testing.assert_allclose(mixing_matrix("torus", n, shape=(1, n)), np_ring(n), atol=1e-12)
+
+
+def test_mixing_matrix_without_num_workers_is_deprecated():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new = mixing_matrix("torus", num_workers=8)
+    with pytest.warns(
+        DeprecationWarning, match=r"without `num_workers` is deprecated: pass `num_workers=`"
+    ) as record:
+        old = mixing_matrix("torus")
+    assert record[0].filename == __file__  # the warning points at the caller
+    np.testing.assert_array_equal(old, new)
+    np.testing.assert_array_equal(new, mixing_matrix("torus", 8))
 
 
 def test_torus_and_metropolis_on_irregular_graph():

@@ -14,6 +14,7 @@ leaf up a fixed binary tree over the workers, for any worker count; see
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -40,8 +41,8 @@ def _bit_reverse(i: int, bits: int) -> int:
     return out
 
 
-def adasum_tree(n: int) -> Any:
-    """The order in which :func:`adasum` combines ``n`` workers, as nested pairs.
+def adasum_tree(num_workers: int | None = None, *, n: int | None = None) -> Any:
+    """The order in which :func:`adasum` combines ``n = num_workers`` workers, as nested pairs.
 
     Let ``p`` be the largest power of two with ``p <= n`` and ``r = n - p``.
     First each worker ``j < r`` absorbs worker ``p + j``: ``y_j = A(x_j, x_{p+j})``
@@ -53,6 +54,11 @@ def adasum_tree(n: int) -> Any:
     A pair ``(u, v)`` below means ``A(u, v)`` with ``u`` as the first argument
     (``A`` is symmetric in exact arithmetic; the order fixes the rounding).
 
+    Args:
+      num_workers: the number of workers ``n``.
+      n: the deprecated spelling of ``num_workers`` (a ``DeprecationWarning``;
+        it goes away in the next release).
+
     Examples:
       >>> adasum_tree(3)
       ((0, 2), 1)
@@ -61,7 +67,13 @@ def adasum_tree(n: int) -> Any:
       >>> adasum_tree(8)
       (((0, 1), (2, 3)), ((4, 5), (6, 7)))
     """
-    n = base.check_positive_int(n, "n")
+    if n is not None:
+        if num_workers is not None:
+            raise TypeError("Pass `num_workers` only: `n` is its deprecated spelling, not a second setting.")
+        message = "`n` is deprecated and will be removed in the next release; use `num_workers` instead."
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        num_workers = n
+    n = base.check_positive_int(num_workers, "num_workers")
     p = _power_of_two_below(n)
     nodes: list[Any] = [(j, p + j) if p + j < n else j for j in range(p)]
     while len(nodes) > 1:

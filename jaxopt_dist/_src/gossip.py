@@ -14,6 +14,7 @@ does with explicit neighbour lists. :func:`mixing_matrix` returns the
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -37,7 +38,7 @@ from jaxopt_dist._src.topology import (
 
 def mixing_matrix(
     topology: Any = "ring",
-    num_workers: int = 8,
+    num_workers: int | None = None,
     *,
     weights: Any = "uniform",
     shape: tuple[int, int] | None = None,
@@ -50,7 +51,9 @@ def mixing_matrix(
 
     Args:
       topology: as for :func:`gossip`.
-      num_workers: the number of workers ``n``.
+      num_workers: the number of workers ``n``. Leaving it out still gives
+        the matrix for 8 workers, with a ``DeprecationWarning``: that default
+        goes away in the next release.
       weights: as for :func:`gossip`.
       shape: the torus shape, as for :func:`gossip`.
       step: the step, for the time-varying ``"exponential"`` topology.
@@ -64,6 +67,13 @@ def mixing_matrix(
       0.195
     """
     topology = check_topology(topology)
+    if num_workers is None:
+        message = (
+            "Calling `mixing_matrix` without `num_workers` is deprecated: pass `num_workers=` (the "
+            "number of workers); the default of 8 goes away in the next release."
+        )
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        num_workers = 8
     n = base.check_positive_int(num_workers, "num_workers")
     weights = check_weights(weights, topology)
     if isinstance(step, bool) or not isinstance(step, (numbers.Integral, np.integer)) or step < 0:

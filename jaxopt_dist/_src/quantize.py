@@ -276,16 +276,16 @@ def qsgd_code_dtype(levels: int) -> Any:
     return jnp.int32
 
 
-def qsgd_sum_dtype(levels: int, n: int) -> Any:
-    """The integer type in which ``aggregate="all_reduce"`` sums :func:`qsgd`'s codes over ``n`` workers.
+def qsgd_sum_dtype(levels: int, num_workers: int) -> Any:
+    """The integer type in which ``aggregate="all_reduce"`` sums :func:`qsgd`'s codes over ``num_workers``.
 
-    The smallest signed type that holds ``n * levels`` (the largest possible
-    sum): int8 up to 127, int16 up to 32767, int32 up to ``2**31 - 1``.
+    The smallest signed type that holds ``num_workers * levels`` (the largest
+    possible sum): int8 up to 127, int16 up to 32767, int32 up to ``2**31 - 1``.
 
     Raises:
-      ValueError: ``n * levels > 2**31 - 1`` (no integer all-reduce can hold the sum).
+      ValueError: ``num_workers * levels > 2**31 - 1`` (no integer all-reduce can hold the sum).
     """
-    top = n * levels
+    top = num_workers * levels
     if top <= 127:
         return jnp.int8
     if top <= 32767:
@@ -294,7 +294,7 @@ def qsgd_sum_dtype(levels: int, n: int) -> Any:
         return jnp.int32
     raise ValueError(
         f"`levels` * workers must be at most 2**31 - 1 for aggregate='all_reduce'; got "
-        f"{levels} * {n} = {top}. Lower `levels` or use aggregate='all_gather'."
+        f"{levels} * {num_workers} = {top}. Lower `levels` or use aggregate='all_gather'."
     )
 
 
