@@ -30,10 +30,10 @@ from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
 from jaxopt_dist._src.lowbit import float_grid, low_bit
 from jaxopt_dist._src.onebit_adam import OnebitAdamState, onebit_adam
 from jaxopt_dist._src.optimizers import (
+    AdamState,
+    RmspropState,
     ScaleByAdagradState,
-    ScaleByAdamState,
     ScaleByMomentumState,
-    ScaleByRmsState,
     adagrad,
     adam,
     rmsprop,
@@ -77,6 +77,7 @@ __version__ = "0.1.0"
 __all__ = (
     "DEFAULT_AXIS_NAME",
     "AccumulateState",
+    "AdamState",
     "AlreadyReducedError",
     "ApplyIfFiniteEverywhereState",
     "AverageParamsState",
@@ -103,10 +104,9 @@ __all__ = (
     "PowerSGDState",
     "QSGDState",
     "RandomKState",
+    "RmspropState",
     "ScaleByAdagradState",
-    "ScaleByAdamState",
     "ScaleByMomentumState",
-    "ScaleByRmsState",
     "StepTime",
     "ThresholdState",
     "UnboundAxisError",
@@ -166,3 +166,21 @@ __all__ = (
     "top_k",
     "use_platform",
 )
+
+# Old names of renamed classes, kept for one release. They are not in __all__.
+_RENAMED = {"ScaleByAdamState": "AdamState", "ScaleByRmsState": "RmspropState"}
+
+
+def __getattr__(name: str) -> type:
+    if name in _RENAMED:
+        import warnings
+
+        new = _RENAMED[name]
+        warnings.warn(
+            f"`jaxopt_dist.{name}` is deprecated and will be removed in the next release; use "
+            f"`jaxopt_dist.{new}` instead (`optax.{name}` is a different class).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[new]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

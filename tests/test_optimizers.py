@@ -292,3 +292,36 @@ def test_bf16_dtype_stability(name):
         assert jax.tree.map(lambda x: x.dtype, state) == dtypes0
         params = optax.apply_updates(params, u)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+# ----------------------------------------------------------------------------
+# Renamed state classes.
+
+
+def _states_of(tx, cls):
+    state = tx.init({"w": jnp.ones(3)})
+    return [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, cls)) if isinstance(s, cls)]
+
+
+@pytest.mark.parametrize(
+    "old, new, factory",
+    [
+        ("ScaleByAdamState", "AdamState", lambda: jd.adam(0.1, amsgrad=True)),
+        ("ScaleByRmsState", "RmspropState", lambda: jd.rmsprop(0.1)),
+    ],
+)
+def test_old_state_class_names_are_deprecated_aliases(old, new, factory):
+    new_cls = getattr(jd, new)
+    assert new in jd.__all__ and old not in jd.__all__
+    assert getattr(optax, new, None) is None  # the new name shadows nothing of optax
+    assert len(_states_of(factory(), new_cls)) == 1
+    with pytest.warns(
+        DeprecationWarning, match=rf"`jaxopt_dist.{old}` is deprecated .* `jaxopt_dist.{new}`"
+    ) as rec:
+        old_cls = getattr(jd, old)
+    assert old_cls is new_cls
+    assert rec[0].filename == __file__  # the warning points at the caller
+    with pytest.warns(DeprecationWarning, match=old):
+        exec(f"from jaxopt_dist import {old}", {})
+    with pytest.raises(AttributeError, match="NoSuchState"):
+        jd.NoSuchState  # noqa: B018

@@ -252,7 +252,7 @@ def sign_sgd(
 # RMSProp and AdaGrad (SINGA: eps inside the square root).
 
 
-class ScaleByRmsState(NamedTuple):
+class RmspropState(NamedTuple):
     """State for the scaling inside :func:`jaxopt_dist.rmsprop`.
 
     Attributes:
@@ -304,7 +304,7 @@ def _scale_by_rms(decay: optax.ScalarOrSchedule, eps: optax.ScalarOrSchedule) ->
         r = jnp.asarray(base.resolve(decay, count), nu.dtype)
         return r * nu + (1 - r) * g2
 
-    return _scale_by_root_of_accumulator(ScaleByRmsState, 0.0, running_mean, eps)
+    return _scale_by_root_of_accumulator(RmspropState, 0.0, running_mean, eps)
 
 
 def rmsprop(
@@ -405,7 +405,7 @@ def adagrad(
 # Adam / AMSGrad (PyTorch semantics, schedulable betas).
 
 
-class ScaleByAdamState(NamedTuple):
+class AdamState(NamedTuple):
     """State for the scaling inside :func:`jaxopt_dist.adam`.
 
     Attributes:
@@ -451,7 +451,7 @@ def _scale_by_adam(
 
     def init_fn(params):
         zeros = jax.tree.map(jnp.zeros_like, params)
-        return ScaleByAdamState(
+        return AdamState(
             count=jnp.zeros([], jnp.int32),
             mu=zeros,
             nu=jax.tree.map(jnp.zeros_like, params),
@@ -491,7 +491,7 @@ def _scale_by_adam(
             return (m / bc1.astype(ct)) / denom
 
         out = jax.tree.map(step, mu, second)
-        new_state = ScaleByAdamState(
+        new_state = AdamState(
             count=t,
             mu=_cast_tree_like(mu, state.mu),
             nu=_cast_tree_like(nu, state.nu),
