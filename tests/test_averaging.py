@@ -248,3 +248,10 @@ def test_averaged_params_needs_exactly_one_state():
     assert isinstance(one, IterateAverageState)
     with pytest.raises(ValueError, match=r"found 2"):
         averaged_params((one, one))
+
+
+def test_reshard_rules_regroup_the_average():
+    from jaxopt_dist._src import base
+
+    assert base.reshard_rule(IterateAverageState, "average") == base.REGROUP
+    assert base.reshard_rule(IterateAverageState, "weight_sum") is None

@@ -268,3 +268,10 @@ def test_bad_arguments(kwargs, error, match):
     compressor = kwargs.pop("compressor")
     with pytest.raises(error, match=match):
         jd.error_feedback(compressor, **kwargs)
+
+
+def test_reshard_rules_regroup_the_residual():
+    from jaxopt_dist._src import base
+
+    assert base.reshard_rule(jd.ErrorFeedbackState, "residual") == base.REGROUP
+    assert base.reshard_rule(jd.ErrorFeedbackState, "count") is None

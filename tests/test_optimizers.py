@@ -325,3 +325,18 @@ def test_old_state_class_names_are_deprecated_aliases(old, new, factory):
         exec(f"from jaxopt_dist import {old}", {})
     with pytest.raises(AttributeError, match="NoSuchState"):
         jd.NoSuchState  # noqa: B018
+
+
+def test_reshard_rules_of_the_optimizer_states():
+    from jaxopt_dist._src import base
+
+    regrouped = {
+        jd.ScaleByMomentumState: {"momentum"},
+        jd.RmspropState: {"nu"},
+        jd.ScaleByAdagradState: {"sum_of_squares"},
+        jd.AdamState: {"mu", "nu", "nu_max"},
+    }
+    for cls, fields in regrouped.items():
+        assert base.has_reshard_rules(cls)
+        for field in cls._fields:
+            assert base.reshard_rule(cls, field) == (base.REGROUP if field in fields else None), field

@@ -681,3 +681,12 @@ def test_other_bad_inputs_and_unbound_axis():
     tx = master_weights(jd.sgd(0.1))
     with pytest.raises(ValueError, match=r"`master_weights` needs `params`: call it as"):
         tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
+
+
+def test_reshard_rules_regroup_the_master_copy_only():
+    from jaxopt_dist._src import base
+
+    classes = (jd.MasterWeightsState, jd.DynamicLossScaleState, jd.ApplyIfFiniteEverywhereState)
+    assert all(base.has_reshard_rules(cls) for cls in classes)
+    rules = {(cls.__name__, f): base.reshard_rule(cls, f) for cls in classes for f in cls._fields}
+    assert {k: v for k, v in rules.items() if v} == {("MasterWeightsState", "master"): base.REGROUP}

@@ -11,6 +11,7 @@ import optax
 from jaxopt_dist._src import base, comm
 
 
+@base.reshard_rules()
 class AccumulateState(NamedTuple):
     """State for :func:`jaxopt_dist.accumulate`.
 

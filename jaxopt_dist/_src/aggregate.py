@@ -145,6 +145,7 @@ def all_reduce(
     )
 
 
+@base.reshard_rules()
 class AverageParamsState(NamedTuple):
     """State for :func:`jaxopt_dist.average_params`.
 

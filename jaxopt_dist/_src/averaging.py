@@ -20,6 +20,7 @@ from jaxopt_dist._src import base
 _WEIGHTINGS = ("quadratic", "uniform")
 
 
+@base.reshard_rules(average=base.REGROUP)
 class IterateAverageState(NamedTuple):
     """State for :func:`jaxopt_dist.iterate_average`.
 

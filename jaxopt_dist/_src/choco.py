@@ -34,6 +34,7 @@ from jaxopt_dist._src import error_feedback as ef
 from jaxopt_dist._src.topology import MixingTerm, check_shape, check_topology, check_weights, mixing_plan
 
 
+@base.reshard_rules()
 class ChocoGossipState(NamedTuple):
     """State for :func:`jaxopt_dist.choco_gossip`.
 

@@ -145,6 +145,7 @@ def _mean_of_chosen(gathered_idx: jax.Array, gathered_val: jax.Array, lay: _Layo
 # The transform.
 
 
+@base.reshard_rules()
 class DecoupledMomentumState(NamedTuple):
     """State for :func:`jaxopt_dist.decoupled_momentum`.
 

@@ -26,6 +26,7 @@ from jaxopt_dist._src import base, comm
 _ASSIGNMENTS = ("strided", "contiguous")
 
 
+@base.reshard_rules()
 class DiLoCoState(NamedTuple):
     """State for :func:`jaxopt_dist.diloco`.
 

@@ -59,6 +59,7 @@ class DimReduceInfo(NamedTuple):
     curvature_updated: jax.Array  # bool[], replicated
 
 
+@base.reshard_rules()
 class DimReduceState(NamedTuple):
     r"""State for :func:`jaxopt_dist.dim_reduce`.
 

@@ -140,6 +140,7 @@ def compressor_of(tx: Any) -> Compressor | None:
         return None
 
 
+@base.reshard_rules(residual=base.REGROUP)
 class ErrorFeedbackState(NamedTuple):
     """State for :func:`jaxopt_dist.error_feedback`.
 

@@ -98,6 +98,7 @@ def spectral_gap(w: Any) -> float:
 # The transform.
 
 
+@base.reshard_rules()
 class GossipState(NamedTuple):
     """State for :func:`jaxopt_dist.gossip`.
 

@@ -24,6 +24,7 @@ from jaxopt_dist._src import base, comm
 _CALLER = "hierarchical"
 
 
+@base.reshard_rules()
 class HierarchicalState(NamedTuple):
     """State for :func:`jaxopt_dist.hierarchical`.
 

@@ -47,6 +47,7 @@ def padded_size(size: int, num_workers: int) -> int:
     return -(-size // unit) * unit
 
 
+@base.reshard_rules()
 class OnebitAdamState(NamedTuple):
     """State for :func:`jaxopt_dist.onebit_adam`.
 

@@ -31,6 +31,7 @@ def _cast_tree_like(tree: Any, like: Any) -> Any:
 # Momentum (PyTorch semantics).
 
 
+@base.reshard_rules(momentum=base.REGROUP)
 class ScaleByMomentumState(NamedTuple):
     """State for :func:`jaxopt_dist.scale_by_momentum`.
 
@@ -252,6 +253,7 @@ def sign_sgd(
 # RMSProp and AdaGrad (SINGA: eps inside the square root).
 
 
+@base.reshard_rules(nu=base.REGROUP)
 class RmspropState(NamedTuple):
     """State for the scaling inside :func:`jaxopt_dist.rmsprop`.
 
@@ -341,6 +343,7 @@ def rmsprop(
     return _chain(*parts, _scale_by_rms(decay, eps), optax.scale_by_learning_rate(learning_rate))
 
 
+@base.reshard_rules(sum_of_squares=base.REGROUP)
 class ScaleByAdagradState(NamedTuple):
     """State for the scaling inside :func:`jaxopt_dist.adagrad`.
 
@@ -405,6 +408,7 @@ def adagrad(
 # Adam / AMSGrad (PyTorch semantics, schedulable betas).
 
 
+@base.reshard_rules(mu=base.REGROUP, nu=base.REGROUP, nu_max=base.REGROUP)
 class AdamState(NamedTuple):
     """State for the scaling inside :func:`jaxopt_dist.adam`.
 

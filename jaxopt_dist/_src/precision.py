@@ -88,6 +88,7 @@ def _guarded(
 # Dynamic loss scaling.
 
 
+@base.reshard_rules()
 class DynamicLossScaleState(NamedTuple):
     """State for :func:`jaxopt_dist.dynamic_loss_scale`.
 
@@ -285,6 +286,7 @@ def loss_scale(state: Any) -> jax.Array:
 # Replica-consistent apply_if_finite.
 
 
+@base.reshard_rules()
 class ApplyIfFiniteEverywhereState(NamedTuple):
     """State for :func:`jaxopt_dist.apply_if_finite_everywhere` (fields as :class:`optax.ApplyIfFiniteState`).
 
@@ -386,6 +388,7 @@ def apply_if_finite_everywhere(
 # fp32 master weights.
 
 
+@base.reshard_rules(master=base.REGROUP)
 class MasterWeightsState(NamedTuple):
     """State for :func:`jaxopt_dist.master_weights`.
 

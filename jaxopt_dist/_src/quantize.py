@@ -253,6 +253,7 @@ def scaled_sign(
 # QSGD.
 
 
+@base.reshard_rules()
 class QSGDState(NamedTuple):
     """Inner state of :func:`jaxopt_dist.qsgd` (inside an ``ErrorFeedbackState``).
 
