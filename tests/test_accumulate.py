@@ -181,8 +181,8 @@ def test_accumulate_every_k_1_is_the_inner_transform():
 def test_communication_cost_is_the_inner_cost_spread_over_every_k(make):
     params = {"w": jnp.zeros((16, 8)), "b": jnp.zeros((8,))}
     inner = optax.chain(make(), jd.sgd(LR))
-    plain = jd.communication_cost(inner, params, axis_size=4)
-    acc = jd.communication_cost(jd.accumulate(inner, every_k=4), params, axis_size=4)
+    plain = jd.communication_cost(inner, params, num_workers=4)
+    acc = jd.communication_cost(jd.accumulate(inner, every_k=4), params, num_workers=4)
     assert plain.sent_bytes > 0
     assert acc.sent_bytes == pytest.approx(plain.sent_bytes / 4, rel=1e-12)
     assert acc.peak_sent_bytes == pytest.approx(plain.sent_bytes, rel=1e-12)  # the k-th step sends it all

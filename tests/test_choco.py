@@ -155,7 +155,7 @@ def test_communication_cost_is_the_compressed_message(compressor, per_neighbour)
     params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(10)}
     tx = optax.chain(jd.sgd(0.1), jd.choco_gossip(compressor(), consensus_step=0.5))
     for n, neighbours in ((2, 1), (4, 2)):
-        cost = jd.communication_cost(tx, params, axis_size=n)
+        cost = jd.communication_cost(tx, params, num_workers=n)
         kinds = [c.kind for c in cost.steps[0].collectives]
         assert kinds == ["permute"] * neighbours
         assert cost.sent_bytes == neighbours * per_neighbour

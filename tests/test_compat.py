@@ -34,14 +34,14 @@ def test_communication_cost_ignores_the_callers_mesh(name, axis_type):
     abstract params (with or without a sharding), the figures are those computed with no mesh."""
     tx = TRANSFORMS[name]()
     # Six steps: enough for local SGD's period of 3, whose counter is evaluated step by step.
-    expected = jd.communication_cost(tx, PARAMS, axis_size=8, steps=6)
+    expected = jd.communication_cost(tx, PARAMS, num_workers=8, steps=6)
     for mesh in (_mesh(axis_type), _mesh(axis_type, (2, 4), ("x", "data"))):
         replicated = jax.sharding.NamedSharding(mesh, P())
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), PARAMS)
         placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), PARAMS)
         with jax.set_mesh(mesh):
             for params in (PARAMS, abstract, placed):
-                got = jd.communication_cost(tx, params, axis_size=8, steps=6)
+                got = jd.communication_cost(tx, params, num_workers=8, steps=6)
                 assert got.sent_bytes == expected.sent_bytes > 0
                 assert [s.path for s in got.sites] == [s.path for s in expected.sites]
                 assert got.exact and [s.sent_bytes for s in got.steps] == [

@@ -197,7 +197,7 @@ def test_topk_equal_to_block_size_sends_everything():
 @pytest.mark.parametrize("n", [2, 8])
 def test_communication_cost_counts_values_and_small_indices(n):
     params = {"w": jnp.zeros((128, 96)), "b": jnp.zeros(96), "s": jnp.zeros(())}
-    cost = jd.communication_cost(jd.decoupled_momentum(0.1), params, axis_size=n)
+    cost = jd.communication_cost(jd.decoupled_momentum(0.1), params, num_workers=n)
     # w: tiles 64 x 48 (2 x 2 of them), 32 kept, uint16 indices; b: 2 runs of 48, 32 kept,
     # uint8 indices; s: 1 of 1, uint8.
     payload = 4 * 32 * (4 + 2) + 2 * 32 * (4 + 1) + 1 * (4 + 1)

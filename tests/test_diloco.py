@@ -205,20 +205,20 @@ def test_top_k_aggregate_runs_under_shard_map():
 
 def test_communication_cost_per_period_and_peak():
     params = {"w": jnp.zeros((64, 32)), "v": jnp.zeros((32, 32)), "b": jnp.zeros(32), "c": jnp.zeros(10)}
-    dense = jd.communication_cost(jd.all_reduce(), params, axis_size=8)
-    cost = jd.communication_cost(jd.diloco(optax.adamw(1e-3), sync_every=8), params, axis_size=8, steps=16)
+    dense = jd.communication_cost(jd.all_reduce(), params, num_workers=8)
+    cost = jd.communication_cost(jd.diloco(optax.adamw(1e-3), sync_every=8), params, num_workers=8, steps=16)
     assert cost.sent_bytes == pytest.approx(dense.sent_bytes / 8)
     assert cost.peak_sent_bytes == pytest.approx(dense.sent_bytes)
     assert cost.compression_ratio == pytest.approx(8)
     tx = jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, fragment_assignment="contiguous")
-    frag = jd.communication_cost(tx, params, axis_size=8, steps=16)
+    frag = jd.communication_cost(tx, params, num_workers=8, steps=16)
     assert frag.sent_bytes == pytest.approx(dense.sent_bytes / 8)
     groups = jd.diloco_fragments(params, 2, assignment="contiguous")
     sizes = [x.size for x in jax.tree.leaves(params)]
     biggest = max(sum(sizes[i] for i in g) for g in groups)
     assert frag.peak_sent_bytes == pytest.approx(dense.sent_bytes * biggest / sum(sizes))
     delayed = jd.communication_cost(
-        jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, sync_delay=3), params, axis_size=8
+        jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, sync_delay=3), params, num_workers=8
     )
     assert delayed.sent_bytes == pytest.approx(dense.sent_bytes / 8)
     sends = [s.step % 8 for s in delayed.steps if s.sent_bytes > 0]
@@ -226,7 +226,7 @@ def test_communication_cost_per_period_and_peak():
     quant = jd.communication_cost(
         jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, aggregate=jd.low_bit()),
         params,
-        axis_size=8,
+        num_workers=8,
     )
     assert 7 * 8 < quant.compression_ratio < 8 * 8
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
-from jaxopt_dist._src import elastic
+from jaxopt_dist._src.training import elastic
 from tests import helpers
 
 P = jax.sharding.PartitionSpec

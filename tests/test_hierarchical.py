@@ -470,7 +470,7 @@ def test_communication_cost_and_step_time_per_axis():
     hier = jd.communication_cost(
         hierarchical(None, powersgd(4, axis_name="dcn"), axis_name=AXES),
         params,
-        axis_size=sizes,
+        num_workers=sizes,
         axis_name=AXES,
     )
     per_axis = hier.by_axis()
@@ -480,7 +480,7 @@ def test_communication_cost_and_step_time_per_axis():
     factors = 4 * (256 * 4 + 256 * 4 + 256)
     assert per_axis["dcn"].payload_bytes == factors
     assert per_axis["dcn"].sent_bytes == pytest.approx(2 * 1 / 2 * factors)
-    flat = jd.communication_cost(jd.all_reduce(axis_name=AXES), params, axis_size=sizes, axis_name=AXES)
+    flat = jd.communication_cost(jd.all_reduce(axis_name=AXES), params, num_workers=sizes, axis_name=AXES)
     assert set(flat.by_axis()) == {AXES} and flat.sent_bytes == pytest.approx(2 * 7 / 8 * n_bytes)
 
     bw, lat = {"ici": 100.0, "dcn": 1.0}, {"ici": 1.0, "dcn": 10.0}

@@ -95,7 +95,7 @@ def test_e3m0_grid_and_exact_values():
 @pytest.mark.parametrize("n", [2, 8])
 def test_wire_bytes_are_bit_packed(n):
     d = 1000
-    cost = jd.communication_cost(jd.low_bit(block_size=64), {"w": jnp.zeros(d)}, axis_size=n)
+    cost = jd.communication_cost(jd.low_bit(block_size=64), {"w": jnp.zeros(d)}, num_workers=n)
     chunk = math.ceil(math.ceil(d / n) / 8) * 8
     message = chunk // 2 + 4 * math.ceil(chunk / 64)  # 4-bit codes + float32 scales
     kinds = cost.by_kind()
@@ -103,7 +103,7 @@ def test_wire_bytes_are_bit_packed(n):
     assert kinds["all_to_all"].payload_bytes == n * message
     assert kinds["all_gather"].payload_bytes == message
     assert cost.sent_bytes == pytest.approx(2 * (n - 1) * message)
-    eight_bit = jd.communication_cost(jd.low_bit(4, 3, block_size=64), {"w": jnp.zeros(d)}, axis_size=n)
+    eight_bit = jd.communication_cost(jd.low_bit(4, 3, block_size=64), {"w": jnp.zeros(d)}, num_workers=n)
     assert eight_bit.sent_bytes == pytest.approx(2 * (n - 1) * (chunk + 4 * math.ceil(chunk / 64)))
 
 

@@ -159,7 +159,7 @@ def test_bias_correction_option():
 def test_communication_cost_is_bit_packed(n):
     params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(10)}
     tx = jd.onebit_adam(1e-3, freeze_step=2, num_workers=n)
-    cost = jd.communication_cost(tx, params, axis_size=n, steps=3, start=0)
+    cost = jd.communication_cost(tx, params, num_workers=n, steps=3, start=0)
     dense = [c.kind for c in cost.steps[0].collectives]
     assert dense == ["all_reduce"]
     comp = cost.steps[2]
@@ -226,7 +226,7 @@ def test_worker_count_mismatch_and_unbound_axis():
 def test_wire_is_about_32x_smaller_than_dense():
     params = {"w": jnp.zeros((256, 256))}
     cost = jd.communication_cost(
-        jd.onebit_adam(1e-3, freeze_step=1, num_workers=8), params, axis_size=8, steps=1, start=1
+        jd.onebit_adam(1e-3, freeze_step=1, num_workers=8), params, num_workers=8, steps=1, start=1
     )
     assert 25 < cost.dense_bytes / cost.sent_bytes < 40
     assert math.isclose(cost.sent_bytes, 7 / 8 * (256 * 256 / 8 + 8 * 4) + 7 * (256 * 256 / 64 + 4))

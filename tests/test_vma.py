@@ -168,6 +168,7 @@ NONLINEAR = {
     "scaled_sign": jd.scaled_sign,
     "qsgd": lambda: jd.qsgd(4),
     "adasum": jd.adasum,
+    "low_bit": lambda: jd.low_bit(block_size=64),
 }
 
 

@@ -155,7 +155,7 @@ def test_mean_value_needs_value():
 
 def test_mean_value_sends_one_scalar_per_step():
     params = {"w": jnp.zeros((32, 8))}
-    cost = jd.communication_cost(jd.mean_value(_plateau()), params, axis_size=4)
+    cost = jd.communication_cost(jd.mean_value(_plateau()), params, num_workers=4)
     ((site,),) = [cost.sites]
     assert (site.kind, site.payload_bytes, site.multiplier) == ("all_reduce", 4, 1)  # the float32 loss
     assert cost.calls == 1 and cost.sent_bytes == pytest.approx(2 * 3 / 4 * 4)  # ring all-reduce of 4 B

@@ -319,7 +319,9 @@ class Platform:
             raise TypeError(f"`multi_process` must be a bool; got {self.multi_process!r}.")
 
 
-_PLATFORM: contextvars.ContextVar[Platform | None] = contextvars.ContextVar("jaxopt_dist_platform", default=None)
+_PLATFORM: contextvars.ContextVar[Platform | None] = contextvars.ContextVar(
+    "jaxopt_dist_platform", default=None
+)
 
 
 def platform() -> Platform:

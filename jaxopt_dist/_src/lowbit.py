@@ -131,6 +131,8 @@ def _low_bit_compressor(
     return ef.Compressor(
         lambda params: optax.EmptyState(),
         ef.stateless_compress(compress, axis_name=axis_name, caller="low_bit"),
+        axis_name=axis_name,
+        name="low_bit",
     )
 
 
