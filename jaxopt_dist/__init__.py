@@ -7,6 +7,7 @@ code path runs under ``jax.shard_map``, ``jax.pmap`` and
 ``jax.vmap(..., axis_name=...)``.
 """
 
+from jaxopt_dist._src import base as _base
 from jaxopt_dist._src.accounting import (
     CommunicationCost,
     StepTime,
@@ -173,14 +174,9 @@ _RENAMED = {"ScaleByAdamState": "AdamState", "ScaleByRmsState": "RmspropState"}
 
 def __getattr__(name: str) -> type:
     if name in _RENAMED:
-        import warnings
-
         new = _RENAMED[name]
-        warnings.warn(
-            f"`jaxopt_dist.{name}` is deprecated and will be removed in the next release; use "
-            f"`jaxopt_dist.{new}` instead (`optax.{name}` is a different class).",
-            DeprecationWarning,
-            stacklevel=2,
+        _base.warn_renamed(
+            f"jaxopt_dist.{name}", f"jaxopt_dist.{new}", note=f" `optax.{name}` is a different class."
         )
         return globals()[new]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

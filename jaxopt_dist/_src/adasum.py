@@ -14,7 +14,6 @@ leaf up a fixed binary tree over the workers, for any worker count; see
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import jax
@@ -67,12 +66,7 @@ def adasum_tree(num_workers: int | None = None, *, n: int | None = None) -> Any:
       >>> adasum_tree(8)
       (((0, 1), (2, 3)), ((4, 5), (6, 7)))
     """
-    if n is not None:
-        if num_workers is not None:
-            raise TypeError("Pass `num_workers` only: `n` is its deprecated spelling, not a second setting.")
-        message = "`n` is deprecated and will be removed in the next release; use `num_workers` instead."
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
-        num_workers = n
+    num_workers = base.renamed_keyword(num_workers, n, new="num_workers", old="n")
     n = base.check_positive_int(num_workers, "num_workers")
     p = _power_of_two_below(n)
     nodes: list[Any] = [(j, p + j) if p + j < n else j for j in range(p)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -267,3 +268,36 @@ def has_reshard_rules(state_class: type) -> bool:
 def reshard_rule_names() -> list[str]:
     """``Class.field`` of every registered rule, for error messages."""
     return sorted(f"{cls.__name__}.{field}" for cls, rules in _RESHARD.items() for field in rules)
+
+
+# ----------------------------------------------------------------------------
+# Deprecated spellings, one message.
+
+
+def warn_renamed(old: str, new: str, *, note: str = "", stacklevel: int = 3) -> None:
+    """Warns that ``old`` is deprecated in favour of ``new`` (a ``DeprecationWarning``).
+
+    The default ``stacklevel`` points at the caller of the public function
+    that calls this one.
+    """
+    warnings.warn(
+        f"`{old}` is deprecated and will be removed in the next release; use `{new}` instead.{note}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def renamed_keyword(value: Any, old_value: Any, *, new: str, old: str) -> Any:
+    """The value of keyword ``new``, given as ``new`` or as its deprecated spelling ``old``.
+
+    Warns (at the public function's caller) when ``old`` was used.
+
+    Raises:
+      TypeError: both spellings were given.
+    """
+    if old_value is None:
+        return value
+    if value is not None:
+        raise TypeError(f"Pass `{new}` only: `{old}` is its deprecated spelling, not a second setting.")
+    warn_renamed(old, new, stacklevel=4)
+    return old_value

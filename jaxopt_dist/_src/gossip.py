@@ -14,7 +14,6 @@ does with explicit neighbour lists. :func:`mixing_matrix` returns the
 from __future__ import annotations
 
 import numbers
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -68,11 +67,11 @@ def mixing_matrix(
     """
     topology = check_topology(topology)
     if num_workers is None:
-        message = (
-            "Calling `mixing_matrix` without `num_workers` is deprecated: pass `num_workers=` (the "
-            "number of workers); the default of 8 goes away in the next release."
+        base.warn_renamed(
+            "mixing_matrix() without num_workers",
+            "mixing_matrix(..., num_workers=n)",
+            note=" Its default of 8 workers goes away.",
         )
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
         num_workers = 8
     n = base.check_positive_int(num_workers, "num_workers")
     weights = check_weights(weights, topology)

@@ -17,15 +17,14 @@ with ``B`` the bytes of this worker's operands and ``k`` the number of workers
 in the collective's group.
 
 The worker count is spelled ``num_workers`` everywhere;
-:func:`renamed_keyword` and :func:`renamed_message` serve the deprecated
-spellings (``axis_size``, ``workers``) for one release.
+``base.renamed_keyword`` serves the deprecated spellings (``axis_size``,
+``workers``) for one release.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -91,32 +90,6 @@ def factors(kind: str, k: int, moving: float = 1.0) -> tuple[float, int]:
 def axis_key(axes: tuple[Any, ...]) -> Any:
     """The key of a group of mesh axes in ``by_axis`` tables: the name of one axis, else the tuple."""
     return axes[0] if len(axes) == 1 else tuple(axes)
-
-
-# ----------------------------------------------------------------------------
-# The worker count, one spelling.
-
-
-def renamed_message(old: str, new: str) -> str:
-    """The deprecation message for the old spelling ``old`` of ``new``."""
-    return f"`{old}` is deprecated and will be removed in the next release; use `{new}` instead."
-
-
-def renamed_keyword(value: Any, old_value: Any, *, new: str, old: str) -> tuple[Any, str | None]:
-    """The value of keyword ``new`` given either as ``new`` or as its deprecated spelling ``old``.
-
-    Returns ``(value, message)``: ``message`` is the deprecation warning the
-    public function should give (with ``stacklevel=2``, pointing at its
-    caller) when ``old`` was used, else None.
-
-    Raises:
-      TypeError: both spellings were given.
-    """
-    if old_value is None:
-        return value, None
-    if value is not None:
-        raise TypeError(f"Pass `{new}` only: `{old}` is its deprecated spelling, not a second setting.")
-    return old_value, renamed_message(old, new)
 
 
 # ----------------------------------------------------------------------------
@@ -254,9 +227,7 @@ class CommunicationCost:
     @property
     def axis_size(self) -> int:
         """Deprecated: the same value as :attr:`num_workers`."""
-        warnings.warn(
-            renamed_message("CommunicationCost.axis_size", "num_workers"), DeprecationWarning, stacklevel=2
-        )
+        base.warn_renamed("CommunicationCost.axis_size", "num_workers")
         return self.num_workers
 
     def period_steps(self) -> list[StepCost]:

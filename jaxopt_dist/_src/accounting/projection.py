@@ -10,7 +10,6 @@ axes it spans, and returns a :class:`StepTime`.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -128,9 +127,7 @@ class StepTime(float):
         by_axis: Mapping[Any, float] | None = None,
         workers: int | None = None,
     ) -> StepTime:
-        num_workers, warning = costs.renamed_keyword(num_workers, workers, new="num_workers", old="workers")
-        if warning is not None:
-            warnings.warn(warning, DeprecationWarning, stacklevel=2)
+        num_workers = base.renamed_keyword(num_workers, workers, new="num_workers", old="workers")
         if num_workers is None:
             raise TypeError("StepTime() needs `num_workers`, the worker count projected for.")
         obj = super().__new__(cls, seconds)
@@ -145,9 +142,7 @@ class StepTime(float):
     @property
     def workers(self) -> int:
         """Deprecated: the same value as :attr:`num_workers`."""
-        warnings.warn(
-            costs.renamed_message("StepTime.workers", "num_workers"), DeprecationWarning, stacklevel=2
-        )
+        base.warn_renamed("StepTime.workers", "num_workers")
         return self.num_workers
 
     @property
@@ -284,9 +279,7 @@ def project_step_time(
       ``dense_seconds``, ``speedup``, the latency/bandwidth split and a
       ``table()``.
     """
-    num_workers, warning = costs.renamed_keyword(num_workers, workers, new="num_workers", old="workers")
-    if warning is not None:
-        warnings.warn(warning, DeprecationWarning, stacklevel=2)
+    num_workers = base.renamed_keyword(num_workers, workers, new="num_workers", old="workers")
     if not isinstance(cost, CommunicationCost):
         raise TypeError(f"`cost` must be a CommunicationCost; got {type(cost).__name__}.")
     if num_workers is None:

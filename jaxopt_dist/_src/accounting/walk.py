@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -465,9 +464,7 @@ def communication_cost(
       >>> cost.sent_bytes == 2 * 7 / 8 * 4 * (256 * 256 + 256)
       True
     """
-    num_workers, warning = costs.renamed_keyword(num_workers, axis_size, new="num_workers", old="axis_size")
-    if warning is not None:
-        warnings.warn(warning, DeprecationWarning, stacklevel=2)
+    num_workers = base.renamed_keyword(num_workers, axis_size, new="num_workers", old="axis_size")
     if num_workers is None:
         raise TypeError(
             "communication_cost() needs `num_workers`: the number of workers, or a mapping "
