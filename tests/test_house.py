@@ -125,16 +125,22 @@ def test_imports_run_downwards_only():
     assert not bad, "imports against the floors:\n" + "\n".join(bad)
 
 
-def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, source: str) -> int:
-    """Lines of code of a function: no blank lines, comments or docstrings (nested functions included)."""
-    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
-    docstrings = set()
-    for inner in ast.walk(node):
-        body = getattr(inner, "body", None)
+def _docstring_lines(root: ast.AST) -> set[int]:
+    """The line numbers of every docstring inside ``root``."""
+    lines: set[int] = set()
+    for node in ast.walk(root):
+        body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
             value = body[0].value
             if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+                lines.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return lines
+
+
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef, source: str) -> int:
+    """Lines of code of a function: no blank lines, comments or docstrings (nested functions included)."""
+    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
+    docstrings = _docstring_lines(node)
     count = 0
     for offset, text in enumerate(lines):
         stripped = text.strip()
@@ -162,13 +168,8 @@ def _normalized_code(path: pathlib.Path) -> list[tuple[int, str]]:
     imports, def headers or lone punctuation; white space folded."""
     source = path.read_text()
     tree = ast.parse(source)
-    skip: set[int] = set()
+    skip = _docstring_lines(tree)
     for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
-            value = body[0].value
-            if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                skip.update(range(body[0].lineno, body[0].end_lineno + 1))
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             skip.update(range(node.lineno, node.end_lineno + 1))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

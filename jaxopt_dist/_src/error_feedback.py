@@ -102,30 +102,32 @@ class Compressor(NamedTuple):
     returns_residual: bool = False
 
 
-def stateless_compress(
+def stateless_compressor(
     body: Callable[[list[jax.Array], Any, int], tuple[optax.Updates, optax.Updates]],
     *,
     axis_name: Any,
-    caller: str,
-) -> CompressFn:
-    """A ``compress`` for :class:`Compressor` from ``body(leaves, treedef, n) -> (output, contribution)``.
+    name: str,
+    codec: Codec | None = None,
+) -> Compressor:
+    """A :class:`Compressor` without state of its own, from ``body(leaves, treedef, n) -> (output, contribution)``.
 
-    For compressors without state of their own: the state passes through
-    unchanged, ``n`` is the number of workers on ``axis_name`` (an unbound
-    axis raises, naming ``caller``), and an empty tree comes back as it is
-    without calling ``body``.
+    Its state is ``optax.EmptyState()`` and passes through unchanged; ``n`` is
+    the number of workers on ``axis_name`` (an unbound axis raises, naming
+    ``name``); an empty tree comes back as it is without calling ``body``.
+    The compressor is nonlinear: :func:`error_feedback` rejects updates that
+    arrive already reduced over ``axis_name``.
     """
 
     def compress(updates, state, params=None, **extra_args):
         del params, extra_args
-        n = comm.require_axis(axis_name, caller)
+        n = comm.require_axis(axis_name, name)
         leaves, treedef = jax.tree.flatten(updates)
         if not leaves:
             return updates, updates, state
         output, contribution = body(leaves, treedef, n)
         return output, contribution, state
 
-    return compress
+    return Compressor(lambda params: optax.EmptyState(), compress, codec, axis_name=axis_name, name=name)
 
 
 _WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], Compressor] = weakref.WeakKeyDictionary()

@@ -128,12 +128,7 @@ def _low_bit_compressor(
         sent = _decode(mine, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
         return base.split_flat(out, leaves, treedef), base.split_flat(sent, leaves, treedef)
 
-    return ef.Compressor(
-        lambda params: optax.EmptyState(),
-        ef.stateless_compress(compress, axis_name=axis_name, caller="low_bit"),
-        axis_name=axis_name,
-        name="low_bit",
-    )
+    return ef.stateless_compressor(compress, axis_name=axis_name, name="low_bit")
 
 
 def low_bit(

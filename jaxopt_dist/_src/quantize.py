@@ -75,12 +75,7 @@ def _majority_vote_compressor(axis_name: base.AxisName) -> ef.Compressor:
         own = _unpack_signs(_pack_signs(leaves), total, jnp.float32)
         return base.split_flat(vote, leaves, treedef), base.split_flat(own, leaves, treedef)
 
-    return ef.Compressor(
-        lambda params: optax.EmptyState(),
-        ef.stateless_compress(compress, axis_name=axis_name, caller="sign_majority_vote"),
-        axis_name=axis_name,
-        name="sign_majority_vote",
-    )
+    return ef.stateless_compressor(compress, axis_name=axis_name, name="sign_majority_vote")
 
 
 def sign_majority_vote(
@@ -170,12 +165,8 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
         own = [jnp.where(x < 0, -scales[li], scales[li]).astype(x.dtype) for li, x in enumerate(leaves)]
         return mean, jax.tree.unflatten(treedef, own)
 
-    return ef.Compressor(
-        lambda params: optax.EmptyState(),
-        ef.stateless_compress(compress, axis_name=axis_name, caller="scaled_sign"),
-        _scaled_sign_codec(),
-        axis_name=axis_name,
-        name="scaled_sign",
+    return ef.stateless_compressor(
+        compress, axis_name=axis_name, name="scaled_sign", codec=_scaled_sign_codec()
     )
 
 
