@@ -28,6 +28,8 @@ import os
 import pathlib
 import sys
 
+import shaped_link
+
 N_WORKERS = 8
 
 
@@ -137,13 +139,8 @@ def import_demo():
 # ----------------------------------------------------------------------------
 # Printing.
 
-
-def fmt_bytes(b: float) -> str:
-    """``b`` bytes with 4 significant digits in GB, MB, kB or B."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(b) >= scale:
-            return f"{b / scale:.4g} {unit}"
-    return f"{b:.4g} B"
+# ``b`` bytes with 4 significant digits in GB, MB, kB or B: the harness's, one definition.
+fmt_bytes = shaped_link.fmt_bytes
 
 
 def markdown_row(cells) -> str:

@@ -155,14 +155,16 @@ class DataParallelTrainState(runner.RunsSteps):
         return jax.jit(fn), (jax.tree.map(shard, s_spec), jax.tree.map(shard, b_spec)), mask
 
     def _checked_build(self, state: TrainState, batch: Any) -> Any:
+        """The jitted step, its shardings, the per-worker mask and one worker's optimizer state
+        (abstract), built once per layout."""
         self._runner.check_batch(batch)
-        return self._build(state, batch)
+        local = jax.eval_shape(state.tx.init, base.abstract(state.params))
+        return (*self._build(state, batch), local)
 
-    def _stack(self, state: TrainState, mask: Any) -> TrainState:
+    def _stack(self, state: TrainState, mask: Any, local: Any) -> TrainState:
         """Stacks the per-worker leaves of a state that holds one copy of them."""
         n = self.num_workers
         sharded = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
-        local = jax.eval_shape(state.tx.init, base.abstract(state.params))
         opt = jax.tree.map(
             lambda x, m, loc: self._runner.stacked_leaf(x, loc.shape, what="opt_state") if m else x,
             state.opt_state,
@@ -181,10 +183,10 @@ class DataParallelTrainState(runner.RunsSteps):
             raise TypeError(
                 f"The first argument must be a jaxopt_dist.linen.TrainState; got {type(state).__name__}."
             )
-        jitted, shardings, mask = self._runner.cached(
+        jitted, shardings, mask, local = self._runner.cached(
             runner.shape_key((state, batch)), lambda: self._checked_build(state, batch)
         )
-        out = self._runner.dispatch(jitted, (self._stack(state, mask), batch), shardings, batch=1)
+        out = self._runner.dispatch(jitted, (self._stack(state, mask, local), batch), shardings, batch=1)
         self._returned = {id(x): x for x in jax.tree.leaves(out[0].batch_stats)}
         self._runner.throttle(out)
         return out if out[1] is not None else out[0]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_dist._src import base
@@ -28,7 +29,7 @@ T = TypeVar("T")
 def shape_key(tree: Any) -> tuple[Any, ...]:
     """A hashable key of ``tree``'s structure, shapes and dtypes (for compile caches)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves))
+    return (treedef, tuple((np.shape(x), str(jnp.result_type(x))) for x in leaves))
 
 
 def check_max_steps_in_flight(value: int | None) -> int | None:
@@ -55,6 +56,12 @@ class StepRunner:
     max_steps_in_flight: int | None = None
     _cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
     _in_flight: collections.deque[Any] = dataclasses.field(default_factory=collections.deque, repr=False)
+    _limit: int | None = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Once, not per call: the devices of the mesh do not change.
+        cpu = layout.CPU_STEPS_IN_FLIGHT if layout.on_cpu(self.mesh) else None
+        self._limit = cpu if self.max_steps_in_flight is None else self.max_steps_in_flight
 
     @property
     def num_workers(self) -> int:
@@ -80,16 +87,12 @@ class StepRunner:
         sharding = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
         if tuple(np.shape(x)) == tuple(local_shape):
             return layout.stacked(x, self.num_workers, sharding)
-        want = jax.ShapeDtypeStruct(
-            (self.num_workers, *local_shape), jax.numpy.result_type(x), sharding=sharding
-        )
+        want = jax.ShapeDtypeStruct((self.num_workers, *local_shape), jnp.result_type(x), sharding=sharding)
         self.check_layout(x, want, what=what)
         return x
 
     def in_flight_limit(self) -> int | None:
-        if self.max_steps_in_flight is not None:
-            return self.max_steps_in_flight
-        return layout.CPU_STEPS_IN_FLIGHT if layout.on_cpu(self.mesh) else None
+        return self._limit
 
     def dispatch(
         self, fn: Callable[..., Any], args: tuple[Any, ...], shardings: tuple[Any, ...], *, batch: int
@@ -109,11 +112,10 @@ class StepRunner:
     def throttle(self, token: Any) -> None:
         """Records a dispatched call by ``token`` (arrays it returns that are never donated);
         waits for the oldest call once more than the in-flight limit are queued."""
-        limit = self.in_flight_limit()
-        if limit is None:
+        if self._limit is None:
             return
         self._in_flight.append(token)
-        if len(self._in_flight) > limit:
+        if len(self._in_flight) > self._limit:
             jax.block_until_ready(self._in_flight.popleft())
 
 

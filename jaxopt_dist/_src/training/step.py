@@ -253,12 +253,7 @@ class DataParallelStep(runner.RunsSteps):
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         # The state's shapes are in the key too: a state laid out for another number of
         # workers misses the cache and is rejected below instead of being recompiled for.
-        key = (
-            "step",
-            runner.shape_key((params, batch)),
-            tuple(np.shape(x) for x in jax.tree.leaves(opt_state)),
-        )
-        key = (*key, jax.tree.structure(opt_state))
+        key = ("step", runner.shape_key((params, opt_state, batch)))
 
         def build():
             self._check_layouts(params, opt_state)
