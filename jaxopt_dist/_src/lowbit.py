@@ -83,7 +83,10 @@ def _encode(x: jax.Array, grid: np.ndarray, bits: int, block_size: int, blocks: 
     safe = jnp.where(scales > 0, scales, jnp.float32(1))
     y = jnp.abs(x) / _per_entry(safe, chunk, block_size)
     mids = jnp.asarray((grid[1:] + grid[:-1]) / 2)
-    mag = jnp.searchsorted(mids, y, side="left").astype(jnp.uint8)
+    # How many midpoints lie below each entry (searchsorted, side="left"), as a sum of
+    # comparisons: the grid is small, and jnp.searchsorted fails inside a shard_map that
+    # leaves model axes to the compiler.
+    mag = jnp.sum(mids.reshape((1,) * y.ndim + (-1,)) < y[..., None], axis=-1, dtype=jnp.uint8)
     codes = mag | ((x < 0).astype(jnp.uint8) << (bits - 1))
     per_byte = 8 // bits
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits)[None, None, :]

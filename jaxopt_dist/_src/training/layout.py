@@ -95,6 +95,20 @@ def spec_axes(spec: P) -> tuple[Any, ...]:
     return base.axis_names(spec[0])
 
 
+def full_spec(stack: P, model: P) -> P:
+    """A leaf's spec: the data axes it is stacked over (leading axis), then its model-axis spec."""
+    if not spec_axes(stack):
+        return model
+    return P(stack[0], *model)
+
+
+def full_specs(stack_specs: Any, model_specs: Any | None) -> Any:
+    """:func:`full_spec` over two trees of specs (``model_specs`` None: the stack specs alone)."""
+    if model_specs is None:
+        return stack_specs
+    return jax.tree.map(full_spec, stack_specs, model_specs, is_leaf=lambda x: isinstance(x, P))
+
+
 def spec_size(mesh: Any, spec: P) -> int:
     """The length of the leading axis of a leaf stacked by ``spec`` on ``mesh``."""
     return math.prod(mesh.shape[a] for a in spec_axes(spec))
@@ -128,18 +142,22 @@ def stack_abstract(tree: Any, n: int, sharding: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype, sharding=sharding), tree)
 
 
-def placed_abstract(tree: Any, specs: Any, mesh: Any) -> Any:
-    """``tree`` (one worker's copy) laid out by ``specs``, as sharded ``ShapeDtypeStruct``s."""
+def placed_abstract(tree: Any, specs: Any, mesh: Any, model_specs: Any | None = None) -> Any:
+    """``tree`` (one worker's copy) laid out by ``specs``, as sharded ``ShapeDtypeStruct``s.
 
-    def one(x, sp):
-        sharding = jax.sharding.NamedSharding(mesh, sp)
+    ``model_specs`` (like ``tree``) shards each leaf over the model axes too.
+    """
+    model_specs = jax.tree.map(lambda _: P(), tree) if model_specs is None else model_specs
+
+    def one(x, sp, model):
+        sharding = jax.sharding.NamedSharding(mesh, full_spec(sp, model))
         if not spec_axes(sp):
             return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
         return jax.ShapeDtypeStruct(
             (spec_size(mesh, sp), *np.shape(x)), jnp.result_type(x), sharding=sharding
         )
 
-    return jax.tree.map(one, tree, specs)
+    return jax.tree.map(one, tree, specs, model_specs)
 
 
 def mask_specs(mask: Any, axis_name: base.AxisName) -> Any:
@@ -167,23 +185,29 @@ def stacked(x: Any, n: int, sharding: jax.sharding.NamedSharding) -> jax.Array:
         return jax.device_put(jnp.broadcast_to(x, (n, *np.shape(x))), sharding)
     row = jnp.asarray(x)[None]
     shape = (n, *row.shape[1:])
-    shards = [jax.device_put(row, d) for d in sharding.addressable_devices_indices_map(shape)]
+    # Each device gets its own block of the row (all of it unless the spec shards model axes too).
+    shards = [
+        jax.device_put(row[(slice(None), *idx[1:])], d)
+        for d, idx in sharding.addressable_devices_indices_map(shape).items()
+    ]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
-def place_by_specs(tree: Any, specs: Any, *, mesh: jax.sharding.Mesh) -> Any:
+def place_by_specs(tree: Any, specs: Any, *, mesh: jax.sharding.Mesh, model_specs: Any | None = None) -> Any:
     """Places each leaf (one copy) by its spec: ``P()`` replicated, else stacked over the spec's axes.
 
-    In a multi-process run, JAX checks that every process passes the same replicated value.
+    ``model_specs`` (like ``tree``) shards each leaf over the model axes too. In a
+    multi-process run, JAX checks that every process passes the same replicated value.
     """
+    model_specs = jax.tree.map(lambda _: P(), tree) if model_specs is None else model_specs
 
-    def put(x, sp):
-        sharding = jax.sharding.NamedSharding(mesh, sp)
+    def put(x, sp, model):
+        sharding = jax.sharding.NamedSharding(mesh, full_spec(sp, model))
         if not spec_axes(sp):
             return jax.device_put(x, sharding)
         return stacked(x, spec_size(mesh, sp), sharding)
 
-    return jax.tree.map(put, tree, specs)
+    return jax.tree.map(put, tree, specs, model_specs)
 
 
 def global_batch(batch: Any, shardings: Any) -> Any:

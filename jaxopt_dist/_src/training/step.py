@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from jaxopt_dist._src import base, comm
-from jaxopt_dist._src.training import layout, placement, runner
+from jaxopt_dist._src.training import layout, model_axes, placement, runner
 
 P = jax.sharding.PartitionSpec
 
@@ -147,6 +147,8 @@ class DataParallelStep(runner.RunsSteps):
     donate: bool
     loss_scale: Callable[[Any], Any] | None = None
     max_steps_in_flight: int | None = None
+    param_specs: Any = None
+    batch_axes: tuple[Any, ...] = ()
     _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
 
     def placement(self, params: Any) -> placement.Placement:
@@ -166,21 +168,36 @@ class DataParallelStep(runner.RunsSteps):
         return found
 
     def _specs(self, params: Any) -> tuple[Any, Any]:
-        """(params spec, state specs) for one copy of ``params``."""
+        """(params spec, state specs) on the data axes for one copy of ``params``."""
         spec = layout.data_spec(self.axis_name) if self.per_worker_params else P()
         state_specs = placement.leaf_specs(self.placement(params), self.axis_name)
         return jax.tree.map(lambda _: spec, params), state_specs
+
+    def _model_specs(self, params: Any) -> tuple[Any, Any] | tuple[None, None]:
+        """(params, state) specs on the model axes for one copy of ``params``; Nones without model axes."""
+        if self.param_specs is None:
+            return None, None
+
+        def find():
+            p_model = model_axes.check_param_specs(
+                self.param_specs, params, mesh=self.mesh, axis_name=self.axis_name
+            )
+            state = jax.eval_shape(self.tx.init, base.abstract(params))
+            return p_model, model_axes.state_specs(state, params, p_model)
+
+        return self._runner.cached(("model_specs", runner.shape_key(params)), find)
 
     def init(self, params: Any) -> tuple[Any, Any]:
         """Places one copy of ``params`` and builds the optimizer state.
 
         Returns:
-          ``(params, opt_state)`` ready for ``step``: params replicated, or
-          stacked per worker when ``per_worker_params``.
+          ``(params, opt_state)`` ready for ``step``: params replicated (over the
+          data axes), or stacked per worker when ``per_worker_params``; with
+          ``param_specs``, every leaf sharded over the model axes like its parameter.
         """
-        p_spec, s_spec = self._specs(params)
-        state = layout.place_by_specs(self.tx.init(params), s_spec, mesh=self.mesh)
-        return layout.place_by_specs(params, p_spec, mesh=self.mesh), state
+        (p_spec, s_spec), (p_model, s_model) = self._specs(params), self._model_specs(params)
+        state = layout.place_by_specs(self.tx.init(params), s_spec, mesh=self.mesh, model_specs=s_model)
+        return layout.place_by_specs(params, p_spec, mesh=self.mesh, model_specs=p_model), state
 
     def abstract_init(self, params: Any) -> tuple[Any, Any]:
         """Like :meth:`init`, as ``jax.ShapeDtypeStruct`` leaves with shardings; nothing is allocated.
@@ -191,10 +208,10 @@ class DataParallelStep(runner.RunsSteps):
         ``P(axis_name)``, the rest replicated.
         """
         local = base.abstract(params)
-        p_spec, s_spec = self._specs(local)
+        (p_spec, s_spec), (p_model, s_model) = self._specs(local), self._model_specs(local)
         state = jax.eval_shape(self.tx.init, local)
-        return layout.placed_abstract(local, p_spec, self.mesh), layout.placed_abstract(
-            state, s_spec, self.mesh
+        return layout.placed_abstract(local, p_spec, self.mesh, p_model), layout.placed_abstract(
+            state, s_spec, self.mesh, s_model
         )
 
     def _local_params(self, params: Any) -> Any:
@@ -237,18 +254,28 @@ class DataParallelStep(runner.RunsSteps):
 
     def _build(self, params: Any, batch: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         local = self._local_params(params)
-        p_spec, s_spec = self._specs(local)
+        (p_spec, s_spec), (p_model, s_model) = self._specs(local), self._model_specs(local)
         b_spec = jax.tree.map(lambda _: layout.data_spec(self.axis_name), batch)
+        # Only the data axes are manual; model axes (if any) are left to the compiler.
+        manual = {"axis_names": set(base.axis_names(self.axis_name))} if p_model is not None else {}
         fn = jax.shard_map(
             self._body(self.placement(local).per_worker),
             mesh=self.mesh,
             in_specs=(p_spec, s_spec, b_spec),
             out_specs=(p_spec, s_spec, P()),
             check_vma=True,
+            **manual,
         )
-        shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
-        shardings = tuple(jax.tree.map(shard, spec) for spec in (p_spec, s_spec, b_spec))
-        return jax.jit(fn, donate_argnums=(0, 1) if self.donate else ()), shardings
+        batch_spec = layout.axes_spec((*base.axis_names(self.axis_name), *self.batch_axes))
+        shardings = (
+            model_axes.shardings(self.mesh, p_spec, p_model),
+            model_axes.shardings(self.mesh, s_spec, s_model),
+            jax.tree.map(lambda _: jax.sharding.NamedSharding(self.mesh, batch_spec), batch),
+        )
+        # With model axes, the outputs keep the inputs' shardings (the compiler could pick others).
+        out = (*shardings[:2], jax.sharding.NamedSharding(self.mesh, P()))
+        kw = {"out_shardings": out} if p_model is not None else {}
+        return jax.jit(fn, donate_argnums=(0, 1) if self.donate else (), **kw), shardings
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         # The state's shapes are in the key too: a state laid out for another number of
@@ -257,7 +284,8 @@ class DataParallelStep(runner.RunsSteps):
 
         def build():
             self._check_layouts(params, opt_state)
-            self._runner.check_batch(batch)
+            split = layout.mesh_axis_size(self.mesh, (*base.axis_names(self.axis_name), *self.batch_axes))
+            layout.check_batch(batch, split)
             return self._build(params, batch)
 
         fn, shardings = self._runner.cached(key, build)
@@ -283,6 +311,8 @@ def data_parallel_step(
     donate: bool = False,
     loss_scale: Callable[[Any], Any] | None = None,
     max_steps_in_flight: int | None = None,
+    param_specs: Any = None,
+    batch_axes: base.AxisName | None = None,
 ) -> DataParallelStep:
     r"""Builds a jitted data-parallel training step over ``mesh``.
 
@@ -325,6 +355,21 @@ def data_parallel_step(
         host before a call waits for the oldest. None: unbounded on
         accelerators, 4 on CPU meshes, where XLA:CPU's in-process collectives
         can deadlock when a few dozen steps with collectives are queued.
+      param_specs: for a sharded model, a pytree of ``PartitionSpec``s like the
+        parameters (or a prefix of it) that names only the *model* axes of
+        ``mesh``, e.g. ``P("fsdp", None)`` or ``P(None, "tensor")``. The data
+        axes are manual inside the step and the model axes are left to the
+        compiler (``jax.shard_map(..., axis_names=data axes)``): ``loss_fn``
+        is ordinary sharded JAX code, and each transform sees whole leaves of
+        its replica, sharded. ``init`` shards the parameters and every
+        optimizer-state leaf that belongs to a parameter (its path ends with
+        the parameter's path and it has its shape: residuals, anchors,
+        moments, momentum) like that parameter; the rest (counters, keys,
+        PowerSGD's factors) is replicated over the model axes. None: parameters
+        replicated on every device of a worker.
+      batch_axes: model axes that also split the batch, e.g. ``"fsdp"`` for
+        FSDP (the batch's leading axis is then split over the data axes and
+        these). None: the data axes alone.
 
     Returns:
       A :class:`DataParallelStep`: ``step(params, opt_state, batch) ->
@@ -357,6 +402,9 @@ def data_parallel_step(
             f"`loss_scale` must be a function of the optimizer state (e.g. jaxopt_dist.loss_scale); got {loss_scale!r}."
         )
     layout.check_mesh(mesh, axis_name)
+    batch_axes = _check_batch_axes(batch_axes, mesh, axis_name)
+    if param_specs is not None:
+        mesh = layout.auto_axes(mesh)  # model axes are the compiler's (GSPMD/Shardy propagation)
     return DataParallelStep(
         loss_fn=loss_fn,
         tx=tx,
@@ -367,4 +415,21 @@ def data_parallel_step(
         donate=bool(donate),
         loss_scale=loss_scale,
         max_steps_in_flight=max_steps_in_flight,
+        param_specs=param_specs,
+        batch_axes=batch_axes,
     )
+
+
+def _check_batch_axes(batch_axes: Any, mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> tuple[Any, ...]:
+    """``batch_axes`` as a tuple of model axes of ``mesh`` (empty for None)."""
+    if batch_axes is None:
+        return ()
+    names = base.axis_names(base.validate_axis_name(batch_axes))
+    layout.mesh_axis_size(mesh, names)
+    clash = [a for a in names if a in base.axis_names(axis_name)]
+    if clash:
+        raise ValueError(
+            f"`batch_axes` names the data axis {clash[0]!r}; the batch is always split over the data "
+            f"axes. Name the model axes that split it too (e.g. batch_axes='fsdp')."
+        )
+    return names

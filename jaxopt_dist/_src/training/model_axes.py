@@ -1,0 +1,139 @@
+"""Model axes: parameters sharded inside each replica, and the state that follows them.
+
+A mesh may have axes besides the data axis: ``("data", "fsdp")``,
+``("data", "tensor")``. The data axes are manual inside a step (the
+transforms' collectives run on them); the *model axes* are left to the
+compiler (``jax.shard_map(..., axis_names=data axes)``), so the model code is
+ordinary sharded JAX code. ``param_specs`` says how each parameter is sharded
+over the model axes; :func:`state_specs` shards every optimizer-state leaf
+that belongs to a parameter the same way (error-feedback residuals, anchors,
+moments, momentum), and leaves the rest (counters, keys, PowerSGD's factors)
+replicated over the model axes. A per-worker leaf is stacked over the data
+axes in front of that: ``P("data", "fsdp", None)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxopt_dist._src import base
+from jaxopt_dist._src.training import layout
+
+P = jax.sharding.PartitionSpec
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def spec_names(spec: P) -> tuple[Any, ...]:
+    """Every mesh axis ``spec`` names, in order."""
+    out: list[Any] = []
+    for entry in spec:
+        if entry is not None:
+            out.extend(entry if isinstance(entry, tuple) else (entry,))
+    return tuple(out)
+
+
+def replicated_like(tree: Any) -> Any:
+    """``P()`` for every leaf of ``tree`` (no model axes)."""
+    return jax.tree.map(lambda _: P(), tree)
+
+
+def check_param_specs(param_specs: Any, params: Any, *, mesh: Any, axis_name: base.AxisName) -> Any:
+    """``param_specs`` as a full tree of PartitionSpecs like ``params``, checked against ``mesh``.
+
+    ``param_specs`` may be a tree prefix of ``params`` (one spec for a whole
+    subtree). Every spec names only model axes of ``mesh`` (never the data
+    axes), at most once, and each sharded dimension divides evenly.
+    """
+    if param_specs is None:
+        return replicated_like(params)
+    try:
+        full = jax.tree.map(lambda sp, _: sp, param_specs, params, is_leaf=is_spec)
+    except ValueError as e:
+        raise ValueError(
+            "`param_specs` must be a pytree of PartitionSpecs matching the parameters (or a prefix of "
+            f"their tree); {e}"
+        ) from None
+    data = set(base.axis_names(axis_name))
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    for (path, x), sp in zip(flat, jax.tree.leaves(full, is_leaf=is_spec)):
+        _check_one(sp, np.shape(x), jax.tree_util.keystr(path) or "(root)", mesh, data)
+    return full
+
+
+def _check_one(sp: Any, shape: tuple[int, ...], where: str, mesh: Any, data: set[Any]) -> None:
+    if not is_spec(sp):
+        raise TypeError(f"`param_specs` at {where} must be a jax.sharding.PartitionSpec; got {sp!r}.")
+    names = spec_names(sp)
+    bad = [a for a in names if a in data]
+    if bad:
+        raise ValueError(
+            f"`param_specs` at {where} is {sp}, which names the data axis {bad[0]!r}. Name only the "
+            f"model axes: the data axes are where the workers (replicas) are, and the step handles them."
+        )
+    missing = [a for a in names if a not in mesh.shape]
+    if missing or len(set(names)) != len(names):
+        raise ValueError(
+            f"`param_specs` at {where} is {sp}; the mesh has axes {tuple(mesh.shape)} and each may "
+            f"appear at most once."
+        )
+    if len(sp) > len(shape):
+        raise ValueError(f"`param_specs` at {where} is {sp}, longer than the parameter's shape {shape}.")
+    for dim, entry in zip(shape, sp):
+        size = int(np.prod([mesh.shape[a] for a in spec_names(P(entry))])) if entry is not None else 1
+        if dim % size:
+            raise ValueError(
+                f"`param_specs` at {where} is {sp}: dimension {dim} of shape {shape} does not divide "
+                f"evenly over {entry!r} ({size} devices)."
+            )
+
+
+def model_axes(param_specs: Any) -> tuple[Any, ...]:
+    """The model axes that some parameter is sharded over, in order of first use."""
+    seen: list[Any] = []
+    for sp in jax.tree.leaves(param_specs, is_leaf=is_spec):
+        seen.extend(a for a in spec_names(sp) if a not in seen)
+    return tuple(seen)
+
+
+def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
+    """Model-axis specs for each leaf of one worker's optimizer ``state``.
+
+    A state leaf belongs to a parameter when its path ends with that
+    parameter's path and it has the parameter's shape: optax's and this
+    library's states hold parameter-shaped trees (``mu``, ``nu``, residuals,
+    anchors, momentum) under their own field names. A leaf no path matches
+    (a list of one fragment's leaves, as DiLoCo's outer state keeps) takes
+    the spec of the parameters of its shape when they all share one. Such a
+    leaf is sharded like its parameter; every other leaf is ``P()`` over the
+    model axes.
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
+    owner = {(tuple(path), np.shape(x)): sp for (path, x), sp in zip(flat, specs)}
+    lengths = sorted({len(path) for path, _ in owner}, reverse=True)
+    by_shape: dict[tuple[int, ...], set[P]] = {}
+    for (_, shape), sp in owner.items():
+        by_shape.setdefault(shape, set()).add(sp)
+
+    def one(path: tuple[Any, ...], leaf: Any) -> P:
+        shape = np.shape(leaf)
+        for n in lengths:
+            sp = owner.get((tuple(path[len(path) - n :]) if n else (), shape))
+            if n <= len(path) and sp is not None:
+                return sp
+        same = by_shape.get(shape, set())
+        return next(iter(same)) if len(same) == 1 else P()
+
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def shardings(mesh: Any, stack_specs: Any, model_specs: Any | None = None) -> Any:
+    """``NamedSharding``s on ``mesh`` for the joined specs."""
+    joined = layout.full_specs(stack_specs, model_specs)
+    return jax.tree.map(lambda sp: jax.sharding.NamedSharding(mesh, sp), joined, is_leaf=is_spec)
