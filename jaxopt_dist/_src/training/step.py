@@ -34,17 +34,35 @@ def place_params(
     mesh: jax.sharding.Mesh,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     per_worker: bool = False,
+    param_specs: Any = None,
 ) -> Any:
     """Puts one copy of the parameters on ``mesh``: replicated, or one copy per worker.
 
     With ``per_worker=True`` each leaf gets a leading axis of size ``n`` (worker
     ``i`` owns row ``i``), as :func:`data_parallel_step` expects for transforms
-    with per-worker parameters (``average_params``, gossip).
+    with per-worker parameters (``average_params``, gossip). ``param_specs``
+    (see :func:`data_parallel_step`) shards each leaf over the model axes too.
     """
     axis_name = base.validate_axis_name(axis_name)
     layout.mesh_axis_size(mesh, axis_name)
     specs = layout.mask_specs(jax.tree.map(lambda _: per_worker, params), axis_name)
-    return layout.place_by_specs(params, specs, mesh=mesh)
+    model = _model_param_specs(params, param_specs, mesh, axis_name)
+    return layout.place_by_specs(params, specs, mesh=layout.auto_axes(mesh), model_specs=model)
+
+
+def _model_param_specs(params: Any, param_specs: Any, mesh: Any, axis_name: base.AxisName) -> Any:
+    """``param_specs`` checked (None stays None)."""
+    if param_specs is None:
+        return None
+    return model_axes.check_param_specs(param_specs, params, mesh=mesh, axis_name=axis_name)
+
+
+def _state_model_specs(tx: Any, params: Any, param_specs: Any, mesh: Any, axis_name: base.AxisName) -> Any:
+    """Model-axis specs of ``tx``'s state for ``param_specs`` (None without model axes)."""
+    model = _model_param_specs(params, param_specs, mesh, axis_name)
+    if model is None:
+        return None
+    return model_axes.state_specs(jax.eval_shape(tx.init, base.abstract(params)), params, model)
 
 
 def init_opt_state(
@@ -54,6 +72,7 @@ def init_opt_state(
     mesh: jax.sharding.Mesh,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     per_worker_params: bool = False,
+    param_specs: Any = None,
 ) -> Any:
     """Builds ``tx``'s state for data-parallel training on ``mesh``, placed.
 
@@ -68,6 +87,9 @@ def init_opt_state(
       mesh: the device mesh.
       axis_name: the data axis (or tuple of axes) of ``mesh``.
       per_worker_params: whether parameters differ between workers.
+      param_specs: the parameters' model-axis specs (see
+        :func:`data_parallel_step`): the leaves that belong to a parameter are
+        sharded like it.
 
     Returns:
       The placed optimizer state.
@@ -75,7 +97,9 @@ def init_opt_state(
     specs = placement.opt_state_specs(
         tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
     )
-    return layout.place_by_specs(tx.init(params), specs, mesh=mesh)
+    model = _state_model_specs(tx, params, param_specs, mesh, axis_name)
+    mesh = mesh if model is None else layout.auto_axes(mesh)
+    return layout.place_by_specs(tx.init(params), specs, mesh=mesh, model_specs=model)
 
 
 def place_opt_state(
@@ -86,6 +110,7 @@ def place_opt_state(
     mesh: jax.sharding.Mesh,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     per_worker_params: bool = False,
+    param_specs: Any = None,
 ) -> Any:
     """Places a host copy of ``tx``'s state (e.g. restored from a checkpoint) on ``mesh``.
 
@@ -101,9 +126,11 @@ def place_opt_state(
       mesh: the device mesh.
       axis_name: the data axis (or tuple of axes) of ``mesh``.
       per_worker_params: whether parameters differ between workers.
+      param_specs: the parameters' model-axis specs (see :func:`data_parallel_step`).
 
     Returns:
-      The state, per-worker leaves placed ``P(axis_name)``, the rest ``P()``.
+      The state, per-worker leaves placed ``P(axis_name)``, the rest ``P()``
+      (each sharded over the model axes like its parameter, with ``param_specs``).
     """
     axis_name = base.validate_axis_name(axis_name)
     n = layout.mesh_axis_size(mesh, axis_name)
@@ -111,7 +138,9 @@ def place_opt_state(
         tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params
     )
     specs = layout.mask_specs(found.per_worker, axis_name)
-    expected = layout.placed_abstract(jax.eval_shape(tx.init, base.abstract(params)), specs, mesh)
+    model = _state_model_specs(tx, params, param_specs, mesh, axis_name)
+    mesh = mesh if model is None else layout.auto_axes(mesh)
+    expected = layout.placed_abstract(jax.eval_shape(tx.init, base.abstract(params)), specs, mesh, model)
     layout.check_layout(opt_state, expected, what="opt_state", n=n, axis_name=axis_name)
     return jax.device_put(opt_state, jax.tree.map(lambda x: x.sharding, expected))
 
@@ -179,11 +208,8 @@ class DataParallelStep(runner.RunsSteps):
             return None, None
 
         def find():
-            p_model = model_axes.check_param_specs(
-                self.param_specs, params, mesh=self.mesh, axis_name=self.axis_name
-            )
-            state = jax.eval_shape(self.tx.init, base.abstract(params))
-            return p_model, model_axes.state_specs(state, params, p_model)
+            args = (params, self.param_specs, self.mesh, self.axis_name)
+            return _model_param_specs(*args), _state_model_specs(self.tx, *args)
 
         return self._runner.cached(("model_specs", runner.shape_key(params)), find)
 
