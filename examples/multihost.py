@@ -16,6 +16,12 @@ Two processes with two simulated CPU devices each, on one machine::
     python examples/multihost.py --num-processes 2 --process-id 1 \
         --coordinator 127.0.0.1:12355 --local-devices 2
 
+With ``--fsdp 4`` (and ``--local-devices 4``) each process is one replica of a
+sharded model: the parameters and the optimizer state are sharded over its
+four devices (a ``"fsdp"`` model axis, ``param_specs`` of
+:func:`jaxopt_dist.data_parallel_step`), and only PowerSGD's factors cross
+between the processes.
+
 On a cluster, run the same command once per host with its own
 ``--process-id`` and the first host's address as ``--coordinator``, or pass
 ``--auto`` where ``jax.distributed.initialize()`` detects the cluster itself
@@ -55,6 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=128, help="global batch, split over all devices")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--rank", type=int, default=2, help="PowerSGD rank")
+    p.add_argument(
+        "--fsdp",
+        type=int,
+        default=1,
+        help="shard the parameters over a model axis of this many devices inside each replica (FSDP); "
+        "with one process per host, give it the host's device count",
+    )
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the final parameters to this .npz file")
@@ -67,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--local-devices must be >= 1")
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.fsdp < 1 or args.hidden % args.fsdp:
+        p.error(f"--fsdp must be >= 1 and divide --hidden ({args.hidden}); got {args.fsdp}")
     return args
 
 
@@ -101,12 +116,17 @@ def main(argv: list[str] | None = None) -> int:
             process_id=args.process_id,
         )
 
-    # One data axis over every device of every process.
+    # A data axis over the replicas and, with --fsdp, a model axis inside each replica.
+    # jax.devices() lists each process's devices together, so with --fsdp equal to the
+    # local device count every replica is one process: only the optimizer's
+    # collectives cross the network, the FSDP all-gathers stay inside the host.
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices)
+    if len(devices) % args.fsdp:
+        raise SystemExit(f"--fsdp {args.fsdp} must divide the {len(devices)} devices")
+    mesh = jax.make_mesh((len(devices) // args.fsdp, args.fsdp), ("data", "fsdp"), devices=devices)
     n = mesh.shape["data"]
-    if args.batch_size % n:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {n} devices")
+    if args.batch_size % len(devices):
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by the {len(devices)} devices")
     me = jax.process_index()
     log = lambda *a: print(f"[process {me}/{jax.process_count()}]", *a, flush=True)  # noqa: E731
     log(f"{jax.local_device_count()} local of {n} devices ({devices[0].platform}), mesh {dict(mesh.shape)}")
@@ -121,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
     tx = optax.chain(jd.powersgd(rank=args.rank, axis_name="data"), jd.sgd(args.lr, momentum=0.9))
-    step = jd.data_parallel_step(loss_fn, tx, mesh=mesh)
-    # Every process passes the same host params; init places them replicated.
+    # Hidden units sharded over "fsdp" (the optimizer state follows); the batch is split
+    # over both axes. With --fsdp 1 the "fsdp" axis has one device: plain data parallelism.
+    P = jax.sharding.PartitionSpec
+    specs = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None), "b2": P()}
+    step = jd.data_parallel_step(loss_fn, tx, mesh=mesh, param_specs=specs, batch_axes="fsdp")
+    # Every process passes the same host params; init places them (replicated over "data").
     params, opt_state = step.init(params)
 
     rng = np.random.default_rng(args.seed + 1)  # the same stream on every process
@@ -139,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"step {t + 1:4d}  loss {loss:.6f}")
     elapsed = time.perf_counter() - start
 
-    # Replicated arrays are fully present on every process: read them locally.
-    final = {k: np.asarray(v) for k, v in params.items()}
+    # Every process holds a whole replica (all of its "fsdp" shards): read them locally.
+    final = {k: local_copy(v) for k, v in params.items()}
     log(f"final loss {loss:.6f}  ({elapsed / max(args.steps, 1) * 1e3:.1f} ms/step)")
     if args.out:
         np.savez(args.out, **final, loss=np.float32(loss))
@@ -148,6 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.coordinator is not None or args.auto:
         jax.distributed.shutdown()
     return 0
+
+
+def local_copy(x):
+    """A parameter replicated over "data" as one NumPy array, from this process's shards."""
+    import numpy as np
+
+    out = np.empty(x.shape, x.dtype)
+    for shard in x.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    return out
 
 
 def load_data(seed: int):

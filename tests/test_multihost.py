@@ -45,19 +45,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp_path: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Starts every run at once, waits, and returns the parameter files by run name."""
-    common = ["--steps", str(STEPS), "--batch-size", "64", "--hidden", "32"]
-    port_2, port_1 = _free_port(), _free_port()
-    runs = {
+def _two_processes(local_devices: int, *extra: str) -> dict[str, list[str]]:
+    """The arguments of a two-process job on a fresh loopback port, by run name."""
+    port = _free_port()
+    return {
         f"proc{i}_of_2": [
             *("--num-processes", "2", "--process-id", str(i)),
-            *("--coordinator", f"127.0.0.1:{port_2}", "--local-devices", "2"),
+            *("--coordinator", f"127.0.0.1:{port}", "--local-devices", str(local_devices), *extra),
         ]
         for i in range(2)
     }
-    runs["gloo_1proc"] = ["--coordinator", f"127.0.0.1:{port_1}", "--local-devices", "4"]
-    runs["inprocess_1proc"] = ["--local-devices", "4"]
+
+
+def _launch(tmp_path: pathlib.Path, runs: dict[str, list[str]]) -> dict[str, pathlib.Path]:
+    """Starts every run at once, waits, and returns the parameter files by run name."""
+    common = ["--steps", str(STEPS), "--batch-size", "64", "--hidden", "32"]
     env = helpers.child_env()  # children choose their devices with --local-devices
     procs, outs = {}, {}
     for name, args in runs.items():
@@ -101,7 +103,10 @@ def _load(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
-    outs = _launch(tmp_path)
+    runs = _two_processes(2)
+    runs["gloo_1proc"] = ["--coordinator", f"127.0.0.1:{_free_port()}", "--local-devices", "4"]
+    runs["inprocess_1proc"] = ["--local-devices", "4"]
+    outs = _launch(tmp_path, runs)
     p0, p1 = _load(outs["proc0_of_2"]), _load(outs["proc1_of_2"])
     gloo1, local1 = _load(outs["gloo_1proc"]), _load(outs["inprocess_1proc"])
     assert sorted(p0) == ["b1", "b2", "loss", "w1", "w2"]
@@ -116,6 +121,26 @@ def test_two_processes_match_one(tmp_path):
         np.testing.assert_allclose(p0[k], local1[k], rtol=0, atol=TOL * np.abs(local1[k]).max(), err_msg=k)
 
 
+@pytest.mark.slow
+def test_sharded_model_one_replica_per_process(tmp_path):
+    """FSDP inside each process, PowerSGD between them: the usual topology of a sharded model.
+
+    Each process is one replica; its four devices are the "fsdp" axis the
+    parameters (and PowerSGD's residuals and the momentum) are sharded over.
+    The same training on a 2-device data mesh with replicated parameters (one
+    process, in-process collectives) gives the same parameters to float32
+    rounding: the sharding changes where the arithmetic runs, not what it is.
+    """
+    runs = _two_processes(4, "--fsdp", "4")
+    runs["replicated_1proc"] = ["--local-devices", "2"]
+    outs = _launch(tmp_path, runs)
+    p0, p1, rep = (_load(outs[k]) for k in ("proc0_of_2", "proc1_of_2", "replicated_1proc"))
+    assert p0["loss"] < 1.0
+    for k in p0:
+        np.testing.assert_array_equal(p0[k], p1[k], err_msg=f"{k}: process 0 vs process 1")
+        np.testing.assert_allclose(p0[k], rep[k], rtol=0, atol=TOL * np.abs(rep[k]).max(), err_msg=k)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -123,6 +148,7 @@ def test_two_processes_match_one(tmp_path):
         (["--num-processes", "2", "--process-id", "2", "--coordinator", "h:1"], "--process-id"),
         (["--local-devices", "0"], "--local-devices"),
         (["--steps", "0"], "--steps"),
+        (["--fsdp", "5"], "--fsdp"),
     ],
 )
 def test_bad_arguments_are_rejected(argv, message, capsys):
