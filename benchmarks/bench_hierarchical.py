@@ -18,9 +18,10 @@ namespace) around the timed steps.
 
 Memory part (8 simulated CPU devices in one process, mesh 2 x 4): per-device
 bytes of parameters and optimizer state with the parameters replicated
-(``data_parallel_step``) against sharded over ``"ici"`` (FSDP/ZeRO style: the
-forward all-gathers them, autodiff reduce-scatters the gradients,
-``hierarchical(..., sharded=True)`` compresses each shard over ``"dcn"``).
+against sharded over ``"ici"`` (FSDP: ``data_parallel_step(..., axis_name="dcn",
+param_specs=..., batch_axes="ici")``; the compiler all-gathers the parameters
+for the forward pass and reduce-scatters the gradients over ``"ici"``, and
+PowerSGD compresses over ``"dcn"``).
 
     sudo python benchmarks/bench_hierarchical.py [--quick] [--rate 1gbit,100mbit,none]
 """
@@ -296,7 +297,6 @@ def run_memory(args: argparse.Namespace) -> None:
     import optax
 
     import jaxopt_dist as jd
-    from jaxopt_dist._src import comm
 
     P = jax.sharding.PartitionSpec
     H, L = 2, 4
@@ -314,9 +314,7 @@ def run_memory(args: argparse.Namespace) -> None:
     def loss_fn(p, b):
         return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
 
-    def tx_for(sharded: bool):
-        slow = jd.powersgd(args.rank, axis_name="dcn")
-        return optax.chain(jd.hierarchical(None, slow, axis_name=AXES, sharded=sharded), jd.sgd(0.05, 0.9))
+    tx = optax.chain(jd.powersgd(args.rank, axis_name="dcn"), jd.sgd(0.05, 0.9))
 
     def device_bytes(tree) -> dict:
         out: dict = {}
@@ -325,74 +323,42 @@ def run_memory(args: argparse.Namespace) -> None:
                 out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
         return out
 
-    # Replicated parameters: data_parallel_step.
-    step = jd.data_parallel_step(loss_fn, tx_for(False), mesh=mesh, axis_name=AXES)
-    rp, rs = step.init(params0)
-    rep_losses = []
-    for _ in range(args.fsdp_steps):
-        rp, rs, m = step(rp, rs, batch)
-        rep_losses.append(float(m["loss"]))
+    def train(step):
+        p, s = step.init(params0)
+        losses = []
+        for _ in range(args.fsdp_steps):
+            p, s, m = step(p, s, batch)
+            losses.append(float(m["loss"]))
+        return p, s, losses
 
-    # FSDP: parameters P("ici") (dim 0), state stacked over the axes each leaf varies over.
-    tx = tx_for(True)
-    p_spec = jax.tree.map(lambda _: P("ici"), params0)
-
-    def grads_of(p, b):
-        def loss_of_shard(shard):
-            return loss_fn(jax.tree.map(lambda v: jax.lax.all_gather(v, "ici", tiled=True), shard), b)
-
-        loss, g = jax.value_and_grad(loss_of_shard)(jax.lax.pcast(p, "dcn", to="varying"))
-        return jax.lax.pmean(loss, AXES), g
-
-    seen = {}
-
-    def probe(p, b):
-        _, s2 = tx.update(grads_of(p, b)[1], tx.init(p), p)
-        seen["axes"] = [tuple(a for a in AXES if comm.is_varying(v, a)) for v in jax.tree.leaves(s2)]
-        return jnp.zeros(())
-
-    put = lambda tree, spec: jax.device_put(tree, jax.sharding.NamedSharding(mesh, spec))  # noqa: E731
-    fp, fb = put(params0, P("ici")), put(batch, P(AXES))
-    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=(p_spec, P(AXES)), out_specs=P()), fp, fb)
-    s_def = jax.tree.structure(jax.eval_shape(tx.init, params0))
-    s_spec = jax.tree.unflatten(s_def, [P(a if len(a) > 1 else a[0]) if a else P() for a in seen["axes"]])
-    mask = jax.tree.unflatten(s_def, [bool(a) for a in seen["axes"]])
-    stack = lambda s: jax.tree.map(lambda v, m: v[None] if m else v, s, mask)  # noqa: E731
-
-    def body(p, s, b):
-        loss, g = grads_of(p, b)
-        u, s = tx.update(g, jax.tree.map(lambda v, m: v[0] if m else v, s, mask), p)
-        return optax.apply_updates(p, u), stack(s), loss
-
-    init = jax.jit(
-        jax.shard_map(lambda p: stack(tx.init(p)), mesh=mesh, in_specs=(p_spec,), out_specs=s_spec)
+    # Replicated parameters over the 8 devices (PowerSGD over "dcn", each "ici" device a copy) ...
+    rep = train(jd.data_parallel_step(loss_fn, tx, mesh=mesh, axis_name="dcn"))
+    # ... and FSDP: "ici" a model axis the parameters, their state and the batch are split over.
+    specs = {"w1": P(None, "ici"), "w2": P("ici", None)}
+    fsdp_step = jd.data_parallel_step(
+        loss_fn, tx, mesh=mesh, axis_name="dcn", param_specs=specs, batch_axes="ici"
     )
-    fsdp_step = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(p_spec, s_spec, P(AXES)), out_specs=(p_spec, s_spec, P()))
-    )
-    fs = init(fp)
-    fsdp_losses = []
-    for _ in range(args.fsdp_steps):
-        fp, fs, loss = fsdp_step(fp, fs, fb)
-        fsdp_losses.append(float(loss))
+    fsdp = train(fsdp_step)
 
     n_params = sum(v.size for v in params0.values())
     print(
-        f"\nFSDP/ZeRO on a (dcn=2, ici=4) mesh of 8 CPU devices: MLP {d_in}-{hidden}-16 "
-        f"({n_params:,} parameters), hierarchical PowerSGD r{args.rank} over dcn + SGD momentum\n"
+        f"\nFSDP on a (dcn=2, ici=4) mesh of 8 CPU devices: MLP {d_in}-{hidden}-16 "
+        f"({n_params:,} parameters), PowerSGD r{args.rank} over dcn + SGD momentum, "
+        '`data_parallel_step(..., axis_name="dcn")` without and with `param_specs`\n'
     )
     print("| layout | params per device | optimizer state per device | loss step 1 -> "
           f"{args.fsdp_steps} |")  # fmt: skip
     print("|---|---:|---:|---|")
-    for label, p, s, losses in (
-        ("replicated (`data_parallel_step`)", rp, rs, rep_losses),
-        ('sharded `P("ici")` (`sharded=True`)', fp, fs, fsdp_losses),
+    for label, (p, s, losses) in (
+        ("replicated", rep),
+        ('sharded over "ici" (`param_specs`, `batch_axes="ici"`)', fsdp),
     ):
         pb, sb = device_bytes(p), device_bytes(s)
         pvals, svals = sorted(set(pb.values())), sorted(set(sb.values()))
         fmt = lambda vals: " / ".join(f"{v / 1e3:,.1f} kB" for v in vals)  # noqa: E731
         print(f"| {label} | {fmt(pvals)} | {fmt(svals)} | {losses[0]:.4f} -> {losses[-1]:.4f} |")
-    print("\nstate layout (sharded):", jax.tree.map(lambda sp: str(sp), s_spec))
+    state_specs = jax.tree.map(lambda x: str(x.sharding.spec), fsdp_step.abstract_init(params0)[1])
+    print("\nstate layout (sharded):", state_specs)
 
 
 def main(argv: list[str] | None = None) -> int:
