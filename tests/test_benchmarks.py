@@ -22,6 +22,7 @@ QUICK = {
     "bench_convergence": ["--quick"],
     "bench_dimreduce": ["--quick"],
     "bench_gossip": ["--quick"],
+    "bench_hierarchical": ["--memory-only", "--quick"],
     "bench_lowcomm": ["--quick"],
     "bench_overhead": ["--quick"],
     "multihost_sum_order": [],
