@@ -232,3 +232,54 @@ def test_batch_must_split_over_the_batch_axes():
     bad = {"x": np.zeros((4, D_IN), np.float32), "y": np.zeros((4, D_OUT), np.float32)}
     with pytest.raises(ValueError, match="divisible by the 8 workers"):
         step(params, state, bad)
+
+
+def test_checkpoint_resume_of_a_sharded_run_is_bit_identical(tmp_path):
+    """orbax restores into ``abstract_init``'s sharded layout; the resumed run is the uninterrupted one."""
+    import orbax.checkpoint as ocp
+
+    make = lambda: jd.data_parallel_step(  # noqa: E731
+        _loss,
+        optax.chain(jd.top_k(k=40), optax.adamw(1e-2)),
+        mesh=_mesh("fsdp"),
+        param_specs=FSDP,
+        batch_axes="fsdp",
+    )
+    batches = _batches(6)
+    step = make()
+    params, state = step.init(_params())
+    for b in batches[:3]:
+        params, state, _ = step(params, state, b)
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(3, args=ocp.args.StandardSave({"params": params, "opt_state": state}))
+        mngr.wait_until_finished()
+    for b in batches[3:]:
+        params, state, _ = step(params, state, b)
+
+    fresh = make()
+    abstract = dict(zip(("params", "opt_state"), fresh.abstract_init(_params())))
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        restored = mngr.restore(3, args=ocp.args.StandardRestore(abstract))
+    assert restored["opt_state"][0].residual["w1"].sharding.spec == P("data", None, "fsdp")
+    p2, s2 = restored["params"], restored["opt_state"]
+    for b in batches[3:]:
+        p2, s2, _ = fresh(p2, s2, b)
+    for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p2, s2))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_regroup_a_sharded_state_for_another_number_of_replicas():
+    """``reshard_opt_state`` on the host copy, then ``place_opt_state(param_specs=)`` on the new mesh."""
+    tx = optax.chain(jd.top_k(k=40), jd.sgd(0.1))
+    step = jd.data_parallel_step(_loss, tx, mesh=_mesh("fsdp"), param_specs=FSDP)
+    params, state = step.init(_params())
+    for b in _batches(3):
+        params, state, _ = step(params, state, b)
+    host = jax.device_get(state)
+    regrouped = jd.reshard_opt_state(host, tx, _params(), num_workers=4)
+    mesh4 = jax.make_mesh((4, 2), ("data", "fsdp"))
+    placed = jd.place_opt_state(regrouped, tx, _params(), mesh=mesh4, param_specs=FSDP)
+    res = placed[0].residual["w1"]
+    assert res.shape == (4, D_IN, HIDDEN) and res.sharding.spec == P("data", None, "fsdp")
+    # The update still owed, (1/n) sum of the residuals, is conserved.
+    np.testing.assert_allclose(np.asarray(res).mean(0), host[0].residual["w1"].mean(0), rtol=1e-6, atol=1e-7)
