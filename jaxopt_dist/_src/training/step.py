@@ -413,6 +413,19 @@ def data_parallel_step(
       >>> params, opt_state, metrics = step(params, opt_state, batch)
       >>> float(metrics["loss"])
       1.0
+
+      A sharded model: 2 replicas, each sharded over 4 devices (FSDP).
+
+      >>> mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+      >>> step = jd.data_parallel_step(
+      ...     loss, tx, mesh=mesh, param_specs=jax.P("fsdp"), batch_axes="fsdp"
+      ... )
+      >>> params, opt_state = step.init(jnp.zeros(8))
+      >>> params.sharding.spec == opt_state[1][0].momentum.sharding.spec == jax.P("fsdp")
+      True
+      >>> batch = {"x": jnp.ones((16, 8)), "y": jnp.ones(16)}
+      >>> float(step(params, opt_state, batch)[2]["loss"])
+      1.0
     """
     axis_name = base.validate_axis_name(axis_name)
     if not callable(loss_fn):
