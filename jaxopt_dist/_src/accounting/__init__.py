@@ -16,10 +16,17 @@ One module per concern:
 * :mod:`.projection`: :func:`project_step_time`, :class:`StepTime` and
   :data:`PROJECTION_ALGORITHMS`: the alpha-beta model in seconds per step.
 * :mod:`.hlo`: :class:`HloCollective` and :func:`hlo_collectives`, the
-  collectives of compiled HLO text, to check the traced figures against.
+  collectives of compiled HLO text (their replica groups read in each form
+  XLA prints, and the mesh axes they span), to check the traced figures
+  against.
+* :mod:`.sharded`: sharded models (``param_specs``): the model axes, their
+  checks, and the collectives the compiler inserts over them, read off the
+  update compiled on a mesh (per device; the data axes stay traced, per
+  worker).
 
 Imports go one way: ``walk``, ``projection`` and ``hlo`` import ``costs``,
-``walk`` imports ``trace``, and no module imports another's private names.
+``sharded`` imports ``hlo`` and ``trace``, ``walk`` imports ``trace`` and
+``sharded``, and no module imports another's private names.
 This file only re-exports.
 """
 

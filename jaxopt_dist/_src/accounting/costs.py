@@ -189,6 +189,18 @@ def _kind_costs(sums: Mapping[Any, list[float]], num_steps: int) -> dict[Any, Ki
     return {key: KindCost(v[0] / m, v[1] / m, v[2] / m, v[2] / m) for key, v in sums.items()}
 
 
+def _compiled_sums(collectives: Any, keep: Any) -> dict[Any, KindCost]:
+    """Compiled collectives (each run once per update) summed per group of mesh axes, where ``keep(axes)``."""
+    sums: dict[Any, list[float]] = {}
+    for h in collectives:
+        if h.axes and keep(h.axes):
+            acc = sums.setdefault(axis_key(h.axes), [0.0, 0.0, 0.0])
+            acc[0] += 1
+            acc[1] += h.payload_bytes
+            acc[2] += h.sent_bytes()
+    return _kind_costs(sums, 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class CommunicationCost:
     """What a transform communicates per worker and step; see :func:`communication_cost`.
@@ -211,6 +223,19 @@ class CommunicationCost:
         state (the cost may differ between steps).
       exact: every evaluated step was resolved exactly.
       notes: human-readable remarks (warm-up length, inexact steps...).
+      data_axes: the data axes (``axis_name``) the workers are spread over.
+      model_axes: the other axes of a sharded model's mesh (``param_specs``),
+        left to the compiler inside each replica; empty otherwise.
+      compiled: the collectives of the update compiled on the model's mesh
+        (:class:`~jaxopt_dist.HloCollective`, each with the mesh ``axes`` it
+        spans; sizes per device), or None when nothing was compiled.
+
+    Units. Everything read off the trace (``steps``, ``sites``,
+    ``sent_bytes``, the data axes of :meth:`by_axis`) is *per worker*, a
+    worker being one replica: the bytes of the replica's whole leaves, as if
+    its parameters were not sharded. What is read off the compiled program
+    (``compiled``, :meth:`compiled_by_axis`, the model axes of
+    :meth:`by_axis`, :attr:`model_sent_bytes`) is *per device*.
     """
 
     num_workers: int
@@ -223,6 +248,9 @@ class CommunicationCost:
     step_dependent: bool
     exact: bool
     notes: tuple[str, ...] = ()
+    data_axes: tuple[Hashable, ...] = ()
+    model_axes: tuple[Hashable, ...] = ()
+    compiled: tuple[Any, ...] | None = None
 
     @property
     def axis_size(self) -> int:
@@ -292,19 +320,52 @@ class CommunicationCost:
         return _kind_costs({kind: sums[kind] for kind in KINDS if sums.get(kind, [0.0])[0]}, num_steps)
 
     def by_axis(self) -> dict[Any, KindCost]:
-        """Per-step averages over ``period``, per group of mesh axes a collective spans.
+        """Per-step costs per group of mesh axes a collective spans: data axes, then model axes.
 
         The key is the axis name for a collective over one axis (``"ici"``,
-        ``"dcn"``), the tuple of names for one over several at once (a flat
-        all-reduce over ``("dcn", "ici")``). On a two-level cluster the
-        bytes keyed by the slow axis (or by a tuple containing it) are the
-        ones that cross the slow links.
+        ``"dcn"``, ``"fsdp"``), the tuple of names for one over several at
+        once (a flat all-reduce over ``("dcn", "ici")``). On a two-level
+        cluster the bytes keyed by the slow axis (or by a tuple containing
+        it) are the ones that cross the slow links.
+
+        Data axes: the transform's own collectives, traced, averaged over
+        ``period``, per worker (replica). Model axes (a sharded model, see
+        :func:`communication_cost`'s ``param_specs``): the collectives the
+        compiler inserted inside each replica, read off the compiled update
+        (every collective of the program once, each branch included), per
+        device; a collective spanning a data axis and a model axis at once
+        is keyed by the tuple, here. Model axes appear only when the update
+        was compiled (:attr:`model_sent_bytes` is None otherwise, and
+        ``notes`` says so).
         """
         sums, num_steps = self._sums(lambda c: axis_key(c.axes))
-        return _kind_costs(sums, num_steps)
+        return {**_kind_costs(sums, num_steps), **self.model_by_axis()}
+
+    def _spans_model_axis(self, axes: tuple[Any, ...]) -> bool:
+        return any(a in self.model_axes for a in axes)
+
+    def model_by_axis(self) -> dict[Any, KindCost]:
+        """The model-axis part of :meth:`by_axis`: compiled, per device, per update; {} if not compiled."""
+        return _compiled_sums(self.compiled or (), self._spans_model_axis)
+
+    def compiled_by_axis(self) -> dict[Any, KindCost]:
+        """Every collective of the compiled update (data axes too), per device, per update; {} if not compiled.
+
+        Next to :meth:`by_axis`'s per-replica data-axis figures, this shows
+        what one device sends on the data axis: for a leaf sharded ``k``
+        ways over the model axes, ``1/k`` of its replica's bytes.
+        """
+        return _compiled_sums(self.compiled or (), lambda axes: True)
+
+    @property
+    def model_sent_bytes(self) -> float | None:
+        """Bytes a device sends per update over the model axes (compiled); None if not counted."""
+        if self.compiled is None:
+            return None if self.model_axes else 0.0
+        return float(sum(c.sent_bytes for c in self.model_by_axis().values()))
 
     def table(self) -> str:
-        """A plain-text table of the per-step averages."""
+        """A plain-text table of the per-step averages, then the bytes per group of mesh axes."""
         fmt = base.format_bytes
         lines = [
             f"communication per worker and step, {self.num_workers} workers "
@@ -323,16 +384,33 @@ class CommunicationCost:
             f"  dense all-reduce baseline: {fmt(self.dense_bytes)} sent; "
             f"compression ratio {self.compression_ratio:.4g}x"
         )
-        per_axis = self.by_axis()
-        if len(per_axis) > 1:
-            lines.extend(
-                f"  over {key!r}: {c.calls:.3g} calls, {fmt(c.sent_bytes)} sent"
-                for key, c in per_axis.items()
-            )
+        lines.extend(self._axis_lines())
         if self.step_dependent:
             lines.append(f"  varies with the step: worst evaluated step sends {fmt(self.worst_sent_bytes)}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _axis_lines(self) -> list[str]:
+        """The per-axis lines of :meth:`table`: data axes (traced), then model axes (compiled)."""
+        fmt = base.format_bytes
+        sums, num_steps = self._sums(lambda c: axis_key(c.axes))
+        data = _kind_costs(sums, num_steps)
+        if len(data) <= 1 and not self.model_axes:
+            return []
+        lines = ["  data axes (traced, per worker and step):"]
+        lines += [
+            f"    over {key!r}: {c.calls:.3g} calls, {fmt(c.sent_bytes)} sent" for key, c in data.items()
+        ]
+        if not self.model_axes:
+            return lines
+        lines.append(f"  model axes {tuple(self.model_axes)!r} (compiled HLO, per device and update):")
+        if self.compiled is None:
+            return [*lines, "    not counted: the update was not compiled on a mesh (see notes)"]
+        model = self.model_by_axis()
+        lines += [
+            f"    over {key!r}: {c.calls:.3g} calls, {fmt(c.sent_bytes)} sent" for key, c in model.items()
+        ]
+        return lines if model else [*lines, "    none: the compiled update sends nothing over them"]
 
     def __str__(self) -> str:
         return self.table()

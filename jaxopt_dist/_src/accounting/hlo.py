@@ -4,6 +4,21 @@
 line by line and returns an :class:`HloCollective` (priced like a traced
 collective, by :func:`jaxopt_dist._src.accounting.costs.factors`) for each
 collective op.
+
+Replica groups. The devices of each group are read from the three forms XLA
+prints: explicit lists ``replica_groups={{0,4},{1,5},{2,6},{3,7}}``; iota
+lists ``replica_groups=[2,4]<=[8]`` (``G`` groups of ``S``: ``iota(8)``
+reshaped to ``[2,4]``), optionally reshaped and transposed first,
+``[4,2]<=[2,4]T(1,0)``; and mesh axes (XLA with JAX >= 0.11),
+``replica_groups=mesh['data'=2,'fsdp'=4] {'data'}``: one group per position
+on the axes not named, holding the devices along the named ones (sub-axes
+``'fsdp':(1)2`` and a ``device_ids=(...)`` order included). Permutes take
+their ``source_target_pairs`` as groups of two. The numbers are the
+program's *logical* device ids: positions in its device assignment, which
+for a program compiled on a ``jax.sharding.Mesh`` is ``mesh.devices.flat``
+(not ``device.id``: the same text comes out for any order of the devices).
+Given that mesh, :func:`hlo_collectives` names the mesh axes each collective
+spans (:func:`mesh_axes_of`).
 """
 
 from __future__ import annotations
@@ -11,6 +26,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Any
+
+import numpy as np
 
 from jaxopt_dist._src.accounting import costs
 
@@ -33,6 +51,7 @@ _HLO_KIND = {
 }
 
 Shapes = list[tuple[tuple[int, ...], str]]  # (shape, hlo dtype) of each operand
+Groups = tuple[tuple[int, ...], ...]  # logical device ids of each replica group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +66,12 @@ class HloCollective:
       group_size: workers per replica group (0 if the text does not say).
       operands: ``(shape, hlo dtype)`` of each local operand.
       moving: for permutes, the fraction of workers that send.
+      groups: the logical device ids of each replica group (for permutes,
+        each source-target pair); empty where the text lists none (one
+        group of every device); None where its form was not recognised.
+      axes: the mesh axes the groups span, in the mesh's order, when
+        :func:`hlo_collectives` was given the mesh (None where the groups
+        were not read); else empty.
     """
 
     kind: str
@@ -55,6 +80,8 @@ class HloCollective:
     group_size: int
     operands: tuple[tuple[tuple[int, ...], str], ...]
     moving: float = 1.0
+    groups: Groups | None = ()
+    axes: tuple[Any, ...] | None = ()
 
     @property
     def payload_elements(self) -> int:
@@ -68,22 +95,116 @@ class HloCollective:
         return costs.factors(self.kind, self.group_size, self.moving)[0] * self.payload_bytes
 
 
-def _group_size(line: str) -> int:
-    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", text)]
+
+
+_IOTA = r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?"  # iota(prod(dims)) reshaped to dims, maybe transposed
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """The flat ids of ``[dims]T(perm)``: ``iota`` reshaped to ``dims``, transposed by ``perm``."""
+    shape = _ints(dims)
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return (ids.transpose(_ints(perm)) if perm else ids).reshape(-1)
+
+
+def _iota_groups(line: str) -> Groups | None:
+    """``[G,S]<=[d0,d1,...]`` with an optional ``T(perm)``: ``iota`` reshaped, transposed, regrouped."""
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=" + _IOTA, line)
+    if not m:
+        return None
+    ids = _iota(m.group(3), m.group(4)).reshape(int(m.group(1)), int(m.group(2)))
+    return tuple(tuple(int(i) for i in g) for g in ids)
+
+
+def _device_ids(text: str | None, n: int) -> np.ndarray | None:
+    """A mesh's ``device_ids=(...)``: an iota form ``[2,4]T(1,0)`` or a list; ``iota(n)`` if absent."""
+    if text is None:
+        return np.arange(n)
+    m = re.fullmatch(_IOTA, text.strip())
+    ids = _iota(m.group(1), m.group(2)) if m else np.asarray(_ints(text))
+    return ids if ids.size == n else None
+
+
+def _mesh_factors(size: int, refs: list[tuple[int, int] | None]) -> tuple[list[int], list[bool]]:
+    """One mesh axis of ``size`` split major to minor at the bounds of its sub-axis ``refs``
+    (``(pre_size, size)``; None is the whole axis): the factors and which are grouped."""
+    bounds = {1, size}
+    for ref in refs:
+        if ref is not None:
+            bounds.update((ref[0], ref[0] * ref[1]))
+    edges = sorted(bounds)
+    factors = [b // a for a, b in zip(edges, edges[1:])]
+    grouped = [any(ref is None or ref[0] <= a < ref[0] * ref[1] for ref in refs) for a in edges[:-1]]
+    return factors, grouped
+
+
+def _mesh_groups(line: str) -> Groups | None:
+    """``mesh['a'=2,'b'=4] {'b'}`` (optionally ``, device_ids=(...)`` and sub-axes ``'b':(1)2``)."""
+    m = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(((?:[^()]|\([^()]*\))*)\))?\s*\{([^}]*)\}", line
+    )
+    if not m:
+        return None
+    names_sizes = re.findall(r"'?([^',=\s]+)'?=(\d+)", m.group(1))
+    sizes = {name: int(size) for name, size in names_sizes}
+    refs: dict[str, list[tuple[int, int] | None]] = {name: [] for name in sizes}
+    for name, pre, sub in re.findall(r"'?([^',:{}\s]+)'?(?::\((\d+)\)(\d+))?", m.group(3)):
+        if name not in refs:
+            return None
+        refs[name].append((int(pre), int(sub)) if pre else None)
+    ids = _device_ids(m.group(2), math.prod(sizes.values()))
+    if ids is None:
+        return None
+    dims: list[int] = []
+    grouped: list[bool] = []
+    for name, size in sizes.items():
+        f, g = _mesh_factors(size, refs[name])
+        dims, grouped = dims + f, grouped + g
+    order = [i for i, g in enumerate(grouped) if not g] + [i for i, g in enumerate(grouped) if g]
+    group_size = math.prod(d for d, g in zip(dims, grouped) if g)
+    regrouped = ids.reshape(dims).transpose(order).reshape(-1, group_size)
+    return tuple(tuple(int(i) for i in g) for g in regrouped)
+
+
+def replica_groups(line: str) -> Groups | None:
+    """The logical device ids of each replica group of one HLO instruction (any of the three forms).
+
+    For a ``collective-permute``, each source-target pair. Empty when the
+    line lists none (no ``replica_groups``, or ``replica_groups={}``: one
+    group of every device); None for a form not recognised.
+    """
+    if "source_target_pairs=" in line:
+        pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[-1])
+        return tuple((int(a), int(b)) for a, b in pairs)
+    if "replica_groups=" not in line:
+        return ()
+    m = re.search(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}", line)
     if m:
-        return len([x for x in m.group(1).split(",") if x])
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
-    if m:
-        return int(m.group(2))
-    # Mesh-axis groups (XLA with JAX >= 0.11): ``replica_groups=mesh['a'=2,'b'=4] {'b'}``
-    # groups the devices over the named axes, so a group holds the product of their sizes.
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
-    if m:
-        sizes = dict(re.findall(r"'([^']*)'=(\d+)", m.group(1)))
-        axes = re.findall(r"'([^']*)'", m.group(2))
-        if axes and all(a in sizes for a in axes):
-            return math.prod(int(sizes[a]) for a in axes)
-    return 0
+        return tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+    return _iota_groups(line) or _mesh_groups(line)
+
+
+def mesh_axes_of(groups: Groups | None, mesh: Any) -> tuple[Any, ...] | None:
+    """The axes of ``mesh`` along which the devices of some group differ, in the mesh's order.
+
+    ``groups`` holds logical device ids (positions in ``mesh.devices.flat``,
+    see the module docstring). Empty groups mean one group of every device;
+    None (groups not read), or an id beyond the mesh's devices, gives None.
+    """
+    shape = tuple(np.shape(mesh.devices))
+    names = tuple(mesh.axis_names)
+    n = math.prod(shape)
+    if groups is None or any(i >= n for group in groups for i in group):
+        return None
+    if not groups:
+        return tuple(a for a, s in zip(names, shape) if s > 1)
+    varying: set[int] = set()
+    for group in groups:
+        coords = np.unravel_index(np.asarray(group, dtype=np.int64), shape)
+        varying.update(d for d in range(len(shape)) if len(set(coords[d].tolist())) > 1)
+    return tuple(names[d] for d in sorted(varying))
 
 
 def _result_shapes(m: re.Match[str]) -> Shapes:
@@ -114,18 +235,19 @@ def _local_shapes(op: str, shapes: Shapes, k: int, line: str) -> Shapes:
 
 def _parse_op(m: re.Match[str], line: str, computation: str) -> HloCollective:
     op = m.group("op")
-    k = _group_size(line)
+    groups = replica_groups(line)
+    k = len(groups[0]) if groups else 0
     shapes = _local_shapes(op, _result_shapes(m), k, line)
     moving = 1.0
     if op == "collective-permute":
-        pairs = re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[-1])
-        k = k or len(pairs)
+        pairs = groups or ()
+        k = len(pairs)
         moving = sum(1 for a, b in pairs if a != b) / k if k else 0.0
     started = op + (m.group("start") or "")
-    return HloCollective(_HLO_KIND[op], started, computation, k, tuple(shapes), moving)
+    return HloCollective(_HLO_KIND[op], started, computation, k, tuple(shapes), moving, groups)
 
 
-def hlo_collectives(hlo_text: str) -> list[HloCollective]:
+def hlo_collectives(hlo_text: str, *, mesh: Any = None) -> list[HloCollective]:
     """The collectives of compiled HLO text, with their local operand shapes.
 
     Reads the result shape of each ``all-reduce``, ``all-gather``,
@@ -137,6 +259,13 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
 
     Note that XLA:CPU runs all-reduces of 16-bit floats in float32 (the
     reduction is "promoted"), so a bf16 all-reduce shows up here as f32.
+
+    With ``mesh`` (the ``jax.sharding.Mesh`` the program was compiled on),
+    each collective's ``axes`` names the mesh axes its groups span
+    (:func:`mesh_axes_of`): ``("fsdp",)`` for groups of the devices of one
+    replica, ``("data",)`` for groups across replicas.
+
+    Sizes are per device: each op's operands are one device's shards.
     """
     out: list[HloCollective] = []
     computation = ""
@@ -149,4 +278,6 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
         m = _HLO_OP.match(line)
         if m:
             out.append(_parse_op(m, line, computation))
+    if mesh is not None:
+        out = [dataclasses.replace(h, axes=mesh_axes_of(h.groups, mesh)) for h in out]
     return out

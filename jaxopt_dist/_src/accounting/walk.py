@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from jaxopt_dist._src import base, comm, compat
-from jaxopt_dist._src.accounting import costs, trace
+from jaxopt_dist._src.accounting import costs, sharded, trace
 from jaxopt_dist._src.accounting.costs import Collective, CommunicationCost, StepCost
 
 _SMALL = 16  # non-float state leaves (and values) of at most this many elements are simulated
@@ -402,6 +402,8 @@ def communication_cost(
     start: int = 0,
     platform: comm.Platform | None = None,
     axis_size: int | Mapping[Hashable, int] | None = None,
+    param_specs: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> CommunicationCost:
     r"""Bytes each worker sends and receives per step, read off ``tx``'s traced update.
 
@@ -430,6 +432,32 @@ def communication_cost(
     by step; data-dependent branches are charged their most expensive branch
     (``exact=False``).
 
+    Sharded models (``param_specs``). The update is traced as
+    :func:`jaxopt_dist.data_parallel_step` runs it on a mesh with model axes:
+    ``jax.shard_map(..., axis_names=<data axes>)``, the parameters and the
+    state leaves that belong to them sharded over the model axes, and the
+    model axes left to the compiler. Two kinds of bytes come out, in
+    different units, both in :meth:`CommunicationCost.by_axis`:
+
+    * *data axes*, traced: the transform's own collectives, per worker (one
+      replica) and step, on the replica's whole leaves. They equal the bytes
+      of the same transform on unsharded parameters (``sent_bytes``,
+      ``compression_ratio`` and :func:`project_step_time` are these).
+      One device of the replica sends its shard's part of them
+      (:meth:`CommunicationCost.compiled_by_axis`).
+    * *model axes*, compiled: the collectives the compiler inserts inside
+      a replica, e.g. to gather a sharded leaf that top-k must see whole
+      (an elementwise transform such as ``all_reduce`` + ``sgd`` needs
+      none). They exist only in the compiled program: the update is
+      compiled on ``mesh`` (or on a mesh over this process's devices, when
+      their number is that of the mesh) and its HLO read
+      (:func:`jaxopt_dist.hlo_collectives`), each collective classified by
+      the mesh axes its replica groups span. Per device, every collective of
+      the program once per step (each branch of a conditional included).
+      Without a mesh they are not counted: ``by_axis()`` has no model-axis
+      key, :attr:`CommunicationCost.model_sent_bytes` is None, and
+      ``notes`` says so.
+
     Args:
       tx: any optax transformation (a chain, MultiSteps...).
       params: one copy of the parameters (arrays or ShapeDtypeStructs). If they
@@ -449,13 +477,26 @@ def communication_cost(
         across processes: ``platform=jd.Platform("cpu", multi_process=True)``
         counts what the workers of such a job send, from one process.
       axis_size: deprecated spelling of ``num_workers``.
+      param_specs: for a sharded model, the PartitionSpecs over the model
+        axes that :func:`jaxopt_dist.data_parallel_step` takes (a tree like
+        ``params``, or a prefix), e.g. ``{"w": P("fsdp", None), "b": P()}``.
+        ``num_workers`` must then give every mesh axis's size, data and
+        model: ``{"data": 2, "fsdp": 4}``.
+      mesh: with ``param_specs``, the ``jax.sharding.Mesh`` to compile the
+        update on, to count the model-axis bytes; its axes and sizes are
+        ``num_workers``'s (which may be left out). None: a mesh over this
+        process's devices when their number matches, else model-axis bytes
+        are not counted.
 
     Returns:
       A :class:`CommunicationCost`; ``print(cost)`` shows a table.
 
     Raises:
       TypeError: ``num_workers`` is missing, or given twice (also as
-        ``axis_size``).
+        ``axis_size``); ``mesh`` is not a ``jax.sharding.Mesh``.
+      ValueError: ``param_specs`` names an axis ``num_workers`` gives no
+        size for, or a data axis; ``mesh`` without ``param_specs``, or
+        with other axes than ``num_workers``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
@@ -465,12 +506,19 @@ def communication_cost(
       True
     """
     num_workers = base.renamed_keyword(num_workers, axis_size, new="num_workers", old="axis_size")
+    axis_name = base.validate_axis_name(axis_name)
+    if mesh is not None and param_specs is None:
+        raise ValueError(
+            "`mesh` is used with `param_specs` (a sharded model: the update is compiled on the mesh to "
+            "count the model-axis bytes); without `param_specs`, give `num_workers` alone."
+        )
+    if num_workers is None and mesh is not None:
+        num_workers = sharded.sizes_from_mesh(mesh, axis_name)
     if num_workers is None:
         raise TypeError(
             "communication_cost() needs `num_workers`: the number of workers, or a mapping "
             "{axis: size} for several mesh axes."
         )
-    axis_name = base.validate_axis_name(axis_name)
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(
             f"`tx` must be an optax.GradientTransformation (or have init/update); got {type(tx).__name__}."
@@ -479,8 +527,11 @@ def communication_cost(
     if steps is not None:
         steps = base.check_positive_int(steps, "steps")
     start = base.check_positive_int(start, "start", minimum=0)
+    model = None
+    if param_specs is not None:
+        model = sharded.resolve(param_specs, params, sizes=sizes, axis_name=axis_name, mesh=mesh)
     with trace.outside_user_mesh(), comm.use_platform(platform or comm.platform()):
-        return _count(tx, params, sizes, axis_name, steps=steps, start=start)
+        return _count(tx, params, sizes, axis_name, steps=steps, start=start, model=model)
 
 
 def _count(
@@ -491,14 +542,19 @@ def _count(
     *,
     steps: int | None,
     start: int,
+    model: sharded.ShardedModel | None = None,
 ) -> CommunicationCost:
     """:func:`communication_cost` once its arguments are checked."""
-    traced = trace.trace_update(tx, params, sizes, axis_name)
+    specs = None if model is None else model.param_specs
+    traced = trace.trace_update(tx, params, sizes, axis_name, specs)
     sites = _Walker(sizes, evaluate=False).collect(traced.jaxpr, [_UNKNOWN] * len(traced.consts))
     sim = _simulate(tx, params, traced, sizes, steps=steps, start=start)
     period = _averaging_period(sim, steps)
     n = int(math.prod(sizes[a] for a in base.axis_names(axis_name)))
     params_bytes = comm.tree_bytes(base.abstract(params))
+    compiled, model_notes = (
+        (None, []) if model is None else sharded.compiled_collectives(model, tx, params, axis_name)
+    )
     return CommunicationCost(
         num_workers=n,
         axis_sizes=dict(sizes),
@@ -509,5 +565,8 @@ def _count(
         sites=tuple(sites),
         step_dependent=sim.step_dependent,
         exact=all(s.exact for s in sim.evaluated),
-        notes=tuple(sim.notes),
+        notes=(*sim.notes, *model_notes),
+        data_axes=base.axis_names(axis_name),
+        model_axes=() if model is None else model.axes,
+        compiled=compiled,
     )
