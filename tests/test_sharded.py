@@ -283,3 +283,16 @@ def test_regroup_a_sharded_state_for_another_number_of_replicas():
     assert res.shape == (4, D_IN, HIDDEN) and res.sharding.spec == P("data", None, "fsdp")
     # The update still owed, (1/n) sum of the residuals, is conserved.
     np.testing.assert_allclose(np.asarray(res).mean(0), host[0].residual["w1"].mean(0), rtol=1e-6, atol=1e-7)
+
+
+def test_param_specs_may_be_a_tree_prefix_with_none_for_unsharded():
+    params = {
+        "a": np.zeros((8, 4), np.float32),
+        "b": {"c": np.zeros(8, np.float32), "d": np.zeros(3, np.float32)},
+    }
+    got = model_axes.check_param_specs(
+        {"a": P("fsdp"), "b": {"c": P("fsdp"), "d": None}}, params, mesh=_mesh("fsdp"), axis_name="data"
+    )
+    assert got == {"a": P("fsdp"), "b": {"c": P("fsdp"), "d": P()}}
+    whole = model_axes.check_param_specs(P(), params, mesh=_mesh("fsdp"), axis_name="data")
+    assert jax.tree.leaves(whole, is_leaf=model_axes.is_spec) == [P()] * 3

@@ -47,13 +47,24 @@ def check_param_specs(param_specs: Any, params: Any, *, mesh: Any, axis_name: ba
     """``param_specs`` as a full tree of PartitionSpecs like ``params``, checked against ``mesh``.
 
     ``param_specs`` may be a tree prefix of ``params`` (one spec for a whole
-    subtree). Every spec names only model axes of ``mesh`` (never the data
+    subtree); ``None`` stands for ``P()``. Every spec names only model axes of ``mesh`` (never the data
     axes), at most once, and each sharded dimension divides evenly.
     """
     if param_specs is None:
         return replicated_like(params)
+    # None (a common spelling of "not sharded") is P().
+    param_specs = jax.tree.map(
+        lambda sp: P() if sp is None else sp, param_specs, is_leaf=lambda x: x is None or is_spec(x)
+    )
+    prefix = jax.tree.structure(param_specs, is_leaf=is_spec)
     try:
-        full = jax.tree.map(lambda sp, _: sp, param_specs, params, is_leaf=is_spec)
+        subtrees = prefix.flatten_up_to(params)
+        full = prefix.unflatten(
+            [
+                jax.tree.map(lambda _, sp=sp: sp, sub)
+                for sp, sub in zip(prefix.flatten_up_to(param_specs), subtrees)
+            ]
+        )
     except ValueError as e:
         raise ValueError(
             "`param_specs` must be a pytree of PartitionSpecs matching the parameters (or a prefix of "

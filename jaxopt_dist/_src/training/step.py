@@ -47,7 +47,8 @@ def place_params(
     layout.mesh_axis_size(mesh, axis_name)
     specs = layout.mask_specs(jax.tree.map(lambda _: per_worker, params), axis_name)
     model = _model_param_specs(params, param_specs, mesh, axis_name)
-    return layout.place_by_specs(params, specs, mesh=layout.auto_axes(mesh), model_specs=model)
+    mesh = mesh if model is None else layout.auto_axes(mesh)
+    return layout.place_by_specs(params, specs, mesh=mesh, model_specs=model)
 
 
 def _model_param_specs(params: Any, param_specs: Any, mesh: Any, axis_name: base.AxisName) -> Any:
