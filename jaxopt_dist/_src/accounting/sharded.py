@@ -77,17 +77,6 @@ def _check_named_axes(param_specs: Any, sizes: Mapping[Hashable, int], axis_name
         )
 
 
-def _broadcast_specs(param_specs: Any, params: Any) -> Any:
-    """``param_specs``, a tree prefix of ``params``, as a full tree like it (one spec per leaf)."""
-    prefix = jax.tree.structure(param_specs, is_leaf=model_axes.is_spec)
-    try:
-        subtrees = prefix.flatten_up_to(params)
-    except (ValueError, TypeError):
-        return param_specs  # not a prefix: check_param_specs says what is wrong
-    specs = prefix.flatten_up_to(param_specs)
-    return prefix.unflatten([jax.tree.map(lambda _, sp=sp: sp, sub) for sp, sub in zip(specs, subtrees)])
-
-
 def _local_mesh(sizes: Mapping[Hashable, int]) -> tuple[jax.sharding.Mesh | None, str]:
     """A mesh of ``sizes`` over this process's devices when there are exactly that many, else why not."""
     devices = jax.local_devices()
@@ -128,9 +117,7 @@ def resolve(
     _check_named_axes(param_specs, sizes, axis_name)
     names: Any = tuple(sizes)
     abstract_mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), names)
-    full = model_axes.check_param_specs(
-        _broadcast_specs(param_specs, params), params, mesh=abstract_mesh, axis_name=axis_name
-    )
+    full = model_axes.check_param_specs(param_specs, params, mesh=abstract_mesh, axis_name=axis_name)
     data = base.axis_names(axis_name)
     axes = tuple(a for a in sizes if a not in data)
     if mesh is not None:
