@@ -74,6 +74,10 @@ def accumulate(
       follow ``tx`` on communicating steps (replicated for the aggregators)
       and are zeros otherwise; ``acc`` is per-worker; ``count`` replicated.
 
+    Sharded parameters:
+      Elementwise: ``acc`` is sharded like the parameters and each device
+      sums its own shard; ``tx`` behaves as its own docstring says.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> tx = jd.accumulate(optax.chain(jd.all_reduce(), jd.sgd(1.0)), every_k=2)

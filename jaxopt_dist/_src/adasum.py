@@ -592,6 +592,14 @@ def adasum(
       does not grow with the number of leaves. Output updates are
       replicated. No state.
 
+    Sharded parameters:
+      Needs whole leaves: the coefficients come from each leaf's dot product,
+      squared norms and largest magnitude, and the leaves travel packed in one
+      buffer per dtype; the compiler computes those reductions and moves the
+      buffer's pieces over the model axes. The exchanges above run over the
+      data axis, per replica; the output is that of replicated parameters, to
+      float rounding of the dot products.
+
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
       >>> from jaxopt_dist._src.adasum import adasum

@@ -101,6 +101,14 @@ def all_reduce(
       and one all-gather of as many, ``2 (n - 1) ceil(D / n) * 2`` bytes sent
       per worker in all.
 
+    Sharded parameters:
+      Elementwise: on parameters sharded over model axes
+      (``data_parallel_step(param_specs=...)``) each device all-reduces its own
+      shard of a leaf with the same shard of the other replicas (the bytes
+      above, per replica), and nothing crosses the model axes. ``flatten=True``
+      and the 16-bit ring pack the leaves into one buffer, which the compiler
+      assembles over the model axes; the sums are the same.
+
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
       >>> tx = jd.all_reduce()
@@ -239,6 +247,11 @@ def average_params(
       ``lax.cond``). Per worker and step that is
       ``bytes(params) / (every * num_partitions)`` on average. The output
       updates are per-worker; ``count`` is replicated.
+
+    Sharded parameters:
+      Elementwise: each device averages its own shard of the group's leaves
+      with the same shard of the other workers (the bytes above, per worker);
+      nothing crosses the model axes.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd

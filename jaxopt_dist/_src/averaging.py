@@ -99,6 +99,10 @@ def iterate_average(
       None. The average has the placement of the parameters; ``count`` and
       ``weight_sum`` are replicated.
 
+    Sharded parameters:
+      Elementwise: the average is sharded like the parameters and each device
+      updates its own shard; nothing crosses any axis.
+
     Examples:
       >>> import jax.numpy as jnp, optax
       >>> from jaxopt_dist._src.averaging import iterate_average, averaged_params

@@ -144,6 +144,13 @@ def choco_gossip(
       ``neighbours`` are per-worker; ``count`` and the compressor's key are
       replicated.
 
+    Sharded parameters:
+      The public copy and the neighbours' sum are sharded like the parameters
+      and updated elementwise. Building and decoding a message needs whole
+      leaves for every compressor of the library (flattened leaves, packed
+      buffers): the compiler gathers what it needs over the model axes. The
+      message crosses the data axis as above, per worker.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> tx = optax.chain(jd.sgd(1.0), jd.choco_gossip(jd.top_k(k=1), consensus_step=1.0))

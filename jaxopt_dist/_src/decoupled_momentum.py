@@ -222,6 +222,14 @@ def decoupled_momentum(
       a 64x64 tile sends 32 of 4096 coefficients, 6 bytes each. Outputs and
       ``count`` are replicated; the momentum is per-worker.
 
+    Sharded parameters:
+      Needs whole leaves: the DCT and the top-k run on the tiles of a leaf's
+      matrix view, and the chosen coefficients travel in one buffer, so the
+      compiler assembles tiles and payload over the model axes (the momentum
+      stays sharded like its parameter). The all-gather above runs over the
+      data axis, per replica; the output is that of replicated parameters, to
+      float rounding of the DCT.
+
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
       >>> tx = jd.decoupled_momentum(0.1, chunk=2, topk=1)

@@ -230,6 +230,14 @@ def diloco(
       ``inner_state`` are per-worker; ``count``, ``anchor``,
       ``outer_states`` and ``pending`` are replicated.
 
+    Sharded parameters:
+      Elementwise in its own arithmetic: the anchor, the pending
+      pseudo-gradients and the optimizers' moments are sharded like the
+      parameters, fragments are whole leaves, and the default mean all-reduces
+      each device's shard over the data axis (per worker). An ``aggregate``
+      that needs whole leaves (:func:`low_bit`, :func:`powersgd`,
+      :func:`top_k`) behaves as its own docstring says.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> tx = jd.diloco(optax.sgd(1.0), sync_every=2, outer=optax.sgd(1.0))

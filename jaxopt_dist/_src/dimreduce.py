@@ -254,6 +254,15 @@ def dim_reduce(
       worker and one all-reduce of ``2 n_params`` floats. The output updates
       and every state field are replicated.
 
+    Sharded parameters:
+      Needs whole leaves: the gradient is flattened into one vector and
+      projected on the ``(k, n_params)`` basis, which stays replicated over the
+      model axes (every device keeps all of it; the residual momentum is
+      sharded like the parameters); the compiler gathers and sums over the
+      model axes, and the line search runs the sharded model. The collectives
+      above run over the data axis, per replica; the output is that of
+      replicated parameters, to float rounding.
+
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, jaxopt_dist as jd
       >>> basis = np.eye(3, dtype=np.float32)[:2]   # subspace: first two coords

@@ -184,6 +184,11 @@ def error_feedback(
     Communication:
       Whatever the compressor sends. The residual is per-worker; ``count`` is
       replicated.
+
+    Sharded parameters:
+      Elementwise: the residual is sharded like its parameter and corrected
+      shard by shard; whatever crosses the model axes is the compressor's (see
+      its docstring).
     """
     if not isinstance(compressor, Compressor):
         raise TypeError(f"`compressor` must be a jaxopt_dist.Compressor; got {type(compressor).__name__}.")

@@ -215,6 +215,12 @@ def gossip(
       scalar. Output updates are per-worker; ``count`` and
       ``consensus_distance`` are replicated.
 
+    Sharded parameters:
+      Elementwise: each device mixes its own shard with the same shard of the
+      neighbours (the permutes above, per worker); nothing crosses the model
+      axes except, with ``track_consensus``, one scalar per sharded leaf (its
+      sum of squares over the shards).
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> from jaxopt_dist._src.gossip import gossip

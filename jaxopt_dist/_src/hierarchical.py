@@ -136,6 +136,17 @@ def hierarchical(
       (with ``sharded=True`` one per device, each the size of a shard).
       :func:`jaxopt_dist.data_parallel_step` places them ``P(slow_axis)``.
 
+    Sharded parameters:
+      With model axes (``data_parallel_step(param_specs=...)``) each stage
+      behaves as its own docstring says: it sees whole leaves, the compiler
+      handles the model axes, and the output is that of replicated
+      parameters. ``sharded=True`` is another layout: the leaves are shards
+      over the fast *data* axis, which is manual, so ``slow`` compresses each
+      shard on its own (PowerSGD one factorization per shard, top-k its ``k``
+      entries per shard). That is per-shard by design, so that nothing is
+      gathered over the fast axis; its numbers differ from compressing whole
+      leaves.
+
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
       >>> tx = jd.hierarchical(

@@ -180,6 +180,13 @@ def low_bit(
       residual is per-worker; ``count`` is replicated. Nothing ever falls
       back to an exact reduction.
 
+    Sharded parameters:
+      Needs whole leaves: all leaves are flattened into one vector, cut into
+      one chunk per worker and into blocks that share a scale, so the compiler
+      moves entries over the model axes into that layout and back. The
+      all-to-all and all-gather above run over the data axis, per replica; the
+      output is that of replicated parameters.
+
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
       >>> tx = jd.low_bit()                                # 4-bit E3M0

@@ -211,6 +211,14 @@ def onebit_adam(
       Outputs, ``mu``, ``nu`` and ``count`` are replicated; the worker and
       server errors are per-worker.
 
+    Sharded parameters:
+      Needs whole leaves: each leaf is flattened, padded and cut into one
+      chunk per worker, with a scale from its whole norm, so the compiler moves
+      entries over the model axes into that layout and back (``mu`` and ``nu``
+      stay sharded like the parameters). The exchanges above run over the data
+      axis, per replica; the output is that of replicated parameters, to float
+      rounding of the norms.
+
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
       >>> tx = jd.onebit_adam(0.1, freeze_step=1, num_workers=2)

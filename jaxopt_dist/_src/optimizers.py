@@ -72,6 +72,11 @@ def scale_by_momentum(
 
     Communication:
       None. The buffer has the placement of the incoming updates.
+
+    Sharded parameters:
+      Elementwise: on parameters sharded over model axes the state is sharded
+      like them and each device updates its own shard; nothing crosses the
+      model axes.
     """
     _check_momentum(momentum)
     base.check_hyperparameter(dampening, "dampening", lower=0.0, upper=1.0)
@@ -195,6 +200,11 @@ def sgd(
       None (local). Chain after :func:`jaxopt_dist.all_reduce` for
       synchronous SGD; state then stays replicated.
 
+    Sharded parameters:
+      Elementwise: on parameters sharded over model axes the state is sharded
+      like them and each device updates its own shard; nothing crosses the
+      model axes.
+
     Examples:
       >>> import jax.numpy as jnp, jaxopt_dist as jd
       >>> tx = jd.sgd(0.1, momentum=0.9)
@@ -239,6 +249,11 @@ def sign_sgd(
 
     Communication:
       None (local).
+
+    Sharded parameters:
+      Elementwise: on parameters sharded over model axes the state is sharded
+      like them and each device updates its own shard; nothing crosses the
+      model axes.
 
     References:
       Bernstein et al, `signSGD: Compressed Optimisation for Non-Convex Problems
@@ -334,6 +349,11 @@ def rmsprop(
 
     Communication:
       None (local).
+
+    Sharded parameters:
+      Elementwise: on parameters sharded over model axes the state is sharded
+      like them and each device updates its own shard; nothing crosses the
+      model axes.
     """
     _check_lr(learning_rate)
     base.check_hyperparameter(decay, "decay", lower=0.0, upper=1.0)
@@ -389,6 +409,11 @@ def adagrad(
 
     Communication:
       None (local).
+
+    Sharded parameters:
+      Elementwise: on parameters sharded over model axes the state is sharded
+      like them and each device updates its own shard; nothing crosses the
+      model axes.
     """
     _check_lr(learning_rate)
     base.check_hyperparameter(eps, "eps", lower=0.0)
@@ -545,6 +570,11 @@ def adam(
 
     Communication:
       None (local).
+
+    Sharded parameters:
+      Elementwise: on parameters sharded over model axes the state is sharded
+      like them and each device updates its own shard; nothing crosses the
+      model axes.
 
     References:
       Kingma and Ba, `Adam: A Method for Stochastic Optimization

@@ -401,6 +401,16 @@ def powersgd(
       without communication, and its residual stays replicated, so a
       ``shard_map`` step can keep the whole state with ``out_specs=P()``.
 
+    Sharded parameters:
+      Needs whole leaves: ``M Q`` and ``M^T P`` contract over the dimensions of
+      a leaf's matrix and the orthogonalization over every row of ``P``, so on
+      parameters sharded over model axes the compiler splits the matmuls and
+      sums partial products over those axes. ``p`` and ``q`` are replicated
+      over the model axes, the residual is sharded like its parameter, and the
+      all-reduces above run over the data axis, per replica. The output is that
+      of replicated parameters, to float rounding (partial sums add in another
+      order).
+
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
       >>> tx = jd.powersgd(rank=1)

@@ -170,6 +170,11 @@ def dynamic_loss_scale(
       ``pmin``) of one int32 per step. Outputs and state follow ``inner``;
       the scale, counters and flag are replicated when ``axis_name`` is given.
 
+    Sharded parameters:
+      Elementwise, but for the finiteness check: the flag of each leaf is a
+      reduction over its shards, AND-ed over the model axes before the
+      data-axis ``pmin``. ``inner`` behaves as its own docstring says.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> tx = jd.dynamic_loss_scale(optax.chain(jd.all_reduce(), jd.sgd(0.1)),
@@ -333,6 +338,11 @@ def apply_if_finite_everywhere(
       per step. The counters and flag are replicated; outputs and inner
       state follow ``inner``.
 
+    Sharded parameters:
+      As :func:`dynamic_loss_scale`: the flag of each leaf is reduced over
+      its shards (over the model axes) before the data-axis ``pmin``; the rest
+      is ``inner``'s.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> tx = jd.apply_if_finite_everywhere(jd.sgd(1.0))    # local steps
@@ -454,6 +464,11 @@ def master_weights(
       Whatever ``inner`` sends (in float32 if ``inner`` communicates
       gradients; put a low-precision ``all_reduce(dtype=...)`` inside to keep
       the wire narrow). ``master`` has the placement of the parameters.
+
+    Sharded parameters:
+      Elementwise: ``master`` is sharded like the parameters and each device
+      casts and steps its own shard; nothing crosses the model axes but what
+      ``inner`` needs.
 
     Memory:
       ``4 n_params`` bytes for the master copy plus ``inner``'s float32 state.

@@ -114,6 +114,12 @@ def sign_majority_vote(
       all-reduce (``2 (n - 1) / n * 4 D``). Outputs are replicated; ``count``
       is replicated.
 
+    Sharded parameters:
+      Elementwise vote, packed message: the signs of all leaves are bit-packed
+      into one buffer, which the compiler assembles over the model axes and
+      unpacks back into the shards. The buffer crosses the data axis as above,
+      per replica; the vote is that of replicated parameters.
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> from jaxopt_dist._src.quantize import sign_majority_vote
@@ -230,6 +236,13 @@ def scaled_sign(
       float32 scale per leaf (``L`` leaves). Each worker sends ``B`` bytes and
       receives ``(n - 1) B``. Outputs are replicated; the residual is
       per-worker; ``count`` replicated.
+
+    Sharded parameters:
+      Needs whole leaves: a leaf's scale is the mean magnitude of all its
+      entries (a sum over its shards) and the signs of all leaves are
+      bit-packed into one buffer; the compiler does both over the model axes.
+      The message crosses the data axis as above, per replica; the output is
+      that of replicated parameters, to float rounding of the scales' sums.
 
     References:
       Karimireddy, Rebjock, Stich and Jaggi, `Error Feedback Fixes SignSGD and
@@ -593,6 +606,14 @@ def qsgd(
       ``n = 8 / c`` workers on.
 
       Outputs and ``key`` are replicated; the residual (if any) is per-worker.
+
+    Sharded parameters:
+      Needs whole leaves: bucket norms are sums over a flattened leaf, the
+      rounding's uniforms are drawn by position in the flattened leaves and
+      the codes of all leaves travel in one buffer, so the compiler moves what
+      it needs over the model axes. The collectives above run over the data
+      axis, per replica; the output is that of replicated parameters, to float
+      rounding of the norms.
 
     References:
       Alistarh, Grubic, Li, Tomioka and Vojnovic, `QSGD: Communication-Efficient

@@ -345,6 +345,14 @@ def top_k(
       worker against ``2 (n - 1) / n * 4 d`` for a dense ring all-reduce, a
       saving of about ``d / (n k)`` (``1 / (n * density)``).
 
+    Sharded parameters:
+      Needs whole leaves: the selection ranks every entry of a flattened leaf
+      (of the whole tree with ``per_leaf=False``), so on parameters sharded
+      over model axes the compiler gathers what it needs over those axes. The
+      entries chosen, and the output, are those of replicated parameters; the
+      message crosses the data axis as above, per replica, and the residual
+      is sharded like its parameter.
+
     Examples:
       >>> import jax, jax.numpy as jnp
       >>> from jaxopt_dist._src.sparsify import top_k
@@ -460,6 +468,12 @@ def threshold(
       dtype of the leaves with ``d_l <= capacity``, of ``sum d_l b_l`` bytes.
       The message size is fixed whatever the threshold; unsent slots carry
       zeros. Outputs are replicated; the residual per-worker; counts replicated.
+
+    Sharded parameters:
+      Needs whole leaves, as :func:`top_k`: the ``capacity`` largest entries
+      over the threshold are chosen per flattened leaf, the compiler gathering
+      what it needs over the model axes; the output is that of replicated
+      parameters, the message crosses the data axis as above, per replica.
 
     References:
       Aji and Heafield, `Sparse Communication for Distributed Gradient Descent
@@ -778,6 +792,13 @@ def random_k(
       residual stays replicated, so a ``shard_map`` step can keep the whole
       state with ``out_specs=P()``.
 
+    Sharded parameters:
+      Needs whole leaves: the positions index the flattened leaf, so on
+      parameters sharded over model axes the compiler fetches the chosen
+      entries over those axes and scatters the mean back into the shards. The
+      positions (from the shared key), the values all-reduced over the data
+      axis (per replica) and the output are those of replicated parameters.
+
     References:
       Stich, Cordonnier and Jaggi, `Sparsified SGD with Memory
       <https://arxiv.org/abs/1809.07599>`_, 2018; mlbench
@@ -841,6 +862,12 @@ def block_k(
       ``sum_l min(k_l, d_l) b_l`` bytes per worker. Outputs and ``key`` are
       replicated; the residual is per-worker, or replicated for updates that
       arrive already reduced, as there.
+
+    Sharded parameters:
+      Needs whole leaves, as :func:`random_k`: the block of the flattened
+      leaf (with its wrap-around) is assembled by the compiler over the model
+      axes; the values all-reduced over the data axis (per replica) and the
+      output are those of replicated parameters.
 
     References:
       mlbench ``CentralizedSparsifiedSGD(random_sparse=False)`` (blockwise).

@@ -38,6 +38,10 @@ def mean_value(
       sends (a value that is already the same everywhere stays unchanged).
       State and outputs follow ``inner``.
 
+    Sharded parameters:
+      Nothing parameter-shaped: the value is a scalar; ``inner`` behaves as
+      its own docstring says.
+
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
       >>> tx = jd.mean_value(optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
