@@ -8,8 +8,18 @@ batch split along the data axis:
 
 * ``state.params``: replicated; gradients are per worker, ``tx`` aggregates
   them, and :meth:`TrainState.apply_gradients` keeps the parameters replicated.
+  With ``per_worker_params=True`` (``diloco``, ``average_params``, gossip),
+  one copy per worker, stacked along a leading worker axis.
+* Sharded models: on a mesh with *model axes* besides the data axes (e.g.
+  ``jax.make_mesh((2, 4), ("data", "fsdp"))``), parameters boxed with
+  sharding metadata (``nn.with_partitioning``, or
+  ``nn.with_logical_partitioning`` and logical axis rules) are sharded over
+  the model axes inside each replica; the data axes stay manual and the model
+  axes are left to the compiler, as with ``param_specs`` of
+  :func:`jaxopt_dist.data_parallel_step`.
 * ``state.opt_state``: placed as :func:`jaxopt_dist.data_parallel_step` places
-  it (error-feedback residuals stacked along a leading worker axis).
+  it (error-feedback residuals stacked along a leading worker axis; every leaf
+  that belongs to a parameter sharded over the model axes like it).
 * ``state.batch_stats``: ``"sync"`` keeps them replicated. A BatchNorm built
   with ``axis_name`` equal to the data axis normalizes with the global batch's
   statistics (SyncBN); one built without it normalizes with each worker's
@@ -24,6 +34,7 @@ This module imports flax; ``import jaxopt_dist`` does not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
@@ -31,10 +42,13 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
+from flax.core import meta
+from flax.linen import spmd
 from flax.training import train_state
 
 from jaxopt_dist._src import base, comm
-from jaxopt_dist._src.training import layout, placement, replicas, runner
+from jaxopt_dist._src.training import layout, model_axes, replicas, runner
 
 P = jax.sharding.PartitionSpec
 
@@ -72,6 +86,29 @@ def _is_key(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key)
 
 
+def _is_box(x: Any) -> bool:
+    return isinstance(x, meta.AxisMetadata)
+
+
+def box_spec(box: Any, rules: Any) -> P:
+    """The PartitionSpec over the mesh axes of a boxed parameter (``nn.Partitioned``, or
+    ``nn.LogicallyPartitioned`` mapped by its own rules, else ``rules``); ``P()`` unboxed."""
+    if not _is_box(box):
+        return P()
+    spec = box.get_partition_spec()
+    if not isinstance(box, nn.LogicallyPartitioned):
+        return spec
+    rules = box.rules if box.rules is not None else rules
+    if not rules and model_axes.spec_names(spec):
+        raise ValueError(
+            f"A parameter is annotated with the logical axes {spec} (nn.with_logical_partitioning) but "
+            "no logical axis rules are given: pass logical_axis_rules=(('embed', 'fsdp'), ...) to "
+            "data_parallel, or call the step inside `with nn.logical_axis_rules(...)`."
+        )
+    mapped = spmd.logical_to_mesh_axes(tuple(spec), rules)
+    return P() if mapped is None else mapped
+
+
 @dataclasses.dataclass
 class DataParallelTrainState(runner.RunsSteps):
     """A linen training step over a mesh; see :func:`data_parallel`."""
@@ -81,22 +118,46 @@ class DataParallelTrainState(runner.RunsSteps):
     axis_name: base.AxisName
     batch_stats: str
     max_steps_in_flight: int | None = None
+    per_worker_params: bool = False
+    batch_axes: tuple[Any, ...] = ()
+    logical_axis_rules: Any = None
     # Per-worker leaves this step returned (stacked): id -> array.
     _returned: dict[int, Any] = dataclasses.field(default_factory=dict, repr=False)
     _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
 
     def _placement(self, state: TrainState) -> Any:
         """A TrainState of bools: True for per-worker (stacked) leaves."""
-        found = placement.replicated_params_placement(
-            state.tx, base.abstract(state.params), mesh=self.mesh, axis_name=self.axis_name
+        found = runner.opt_placement(
+            state.tx,
+            base.abstract(state.params),
+            mesh=self.mesh,
+            axis_name=self.axis_name,
+            per_worker_params=self.per_worker_params,
         )
         per_worker_stats = self.batch_stats == "per_worker"
         return state.replace(
             step=False,
-            params=jax.tree.map(lambda _: False, state.params),
+            params=jax.tree.map(lambda _: self.per_worker_params, state.params),
             opt_state=found.per_worker,
             batch_stats=jax.tree.map(lambda _: per_worker_stats, state.batch_stats),
             key=jax.tree.map(lambda _: False, state.key),
+        )
+
+    def _model_specs(self, state: TrainState, local: Any) -> Any:
+        """A TrainState of PartitionSpecs over the model axes: the parameters' (read off their
+        boxes), the optimizer-state leaves that belong to them like them, ``P()`` elsewhere."""
+        rules = (
+            self.logical_axis_rules if self.logical_axis_rules is not None else nn.get_logical_axis_rules()
+        )
+        params = base.abstract(state.params)
+        specs = jax.tree.map(lambda b: box_spec(b, rules), state.params, is_leaf=_is_box)
+        p_model = model_axes.check_param_specs(specs, params, mesh=self.mesh, axis_name=self.axis_name)
+        # Like the parameters, boxes included (their specs are a tree prefix of them).
+        p_model = jax.tree.unflatten(
+            jax.tree.structure(params), jax.tree.leaves(p_model, is_leaf=model_axes.is_spec)
+        )
+        return jax.tree.map(lambda _: P(), state).replace(
+            params=p_model, opt_state=model_axes.state_specs(local, params, p_model)
         )
 
     def _body(self, mask: Any):
@@ -105,7 +166,11 @@ class DataParallelTrainState(runner.RunsSteps):
         def body(state, batch):
             trace = replicas.ReplicaCopies()
             state = layout.first_rows(state, mask)
-            params = jax.tree.map(lambda x: trace.copy(x, comm.to_varying(x, axis_name)), state.params)
+            params = jax.tree.map(
+                lambda x, m: x if m else trace.copy(x, comm.to_varying(x, axis_name)),
+                state.params,
+                mask.params,
+            )
             key = jax.tree.map(
                 lambda k: trace.copy(k, jax.random.fold_in(k, comm.axis_index(axis_name))), state.key
             )
@@ -125,8 +190,10 @@ class DataParallelTrainState(runner.RunsSteps):
                 mask.batch_stats,
             )
             new_state = new_state.replace(batch_stats=new_stats)
-            for path, x in jax.tree_util.tree_flatten_with_path(new_state.params)[0]:
-                if comm.is_varying(x, axis_name):
+            for (path, x), m in zip(
+                jax.tree_util.tree_flatten_with_path(new_state.params)[0], jax.tree.leaves(mask.params)
+            ):
+                if comm.is_varying(x, axis_name) and not m:
                     raise ValueError(
                         f"The parameter {jax.tree_util.keystr(path)} comes out of the step different on "
                         "each worker. Update it with state.apply_gradients of jaxopt_dist.linen.TrainState, "
@@ -140,53 +207,80 @@ class DataParallelTrainState(runner.RunsSteps):
 
         return body
 
-    def _build(self, state: TrainState, batch: Any) -> Any:
-        mask = self._placement(state)
+    def _build(self, state: TrainState, batch: Any, local: Any) -> Any:
+        mask, model = self._placement(state), self._model_specs(state, local)
         s_spec = layout.mask_specs(mask, self.axis_name)
         b_spec = jax.tree.map(lambda _: layout.data_spec(self.axis_name), batch)
+        sharded = bool(self.batch_axes) or bool(model_axes.model_axes(model))
         fn = jax.shard_map(
             self._body(mask),
             mesh=self.mesh,
             in_specs=(s_spec, b_spec),
             out_specs=(s_spec, P()),
             check_vma=True,
+            **runner.manual_axes(self.axis_name, sharded),
         )
-        shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
-        return jax.jit(fn), (jax.tree.map(shard, s_spec), jax.tree.map(shard, b_spec)), mask
+        s_shard = model_axes.shardings(self.mesh, s_spec, model)
+        b_sharding = jax.sharding.NamedSharding(
+            self.mesh, layout.axes_spec((*base.axis_names(self.axis_name), *self.batch_axes))
+        )
+        shardings = (s_shard, jax.tree.map(lambda _: b_sharding, batch))
+        # With model axes, the outputs keep the inputs' shardings (the compiler could pick others).
+        kw: dict[str, Any] = (
+            {"out_shardings": (s_shard, jax.sharding.NamedSharding(self.mesh, P()))} if sharded else {}
+        )
+        return jax.jit(fn, **kw), shardings, mask, model
+
+    def _local_params(self, params: Any) -> Any:
+        """One worker's copy of ``params``, abstract (boxes kept). Per-worker parameters come
+        stacked from the step; the first call with their structure gives one copy."""
+        if not self.per_worker_params:
+            return base.abstract(params)
+        return self._runner.cached(
+            ("local params", jax.tree.structure(params)), lambda: base.abstract(params)
+        )
 
     def _checked_build(self, state: TrainState, batch: Any) -> Any:
-        """The jitted step, its shardings, the per-worker mask and one worker's optimizer state
-        (abstract), built once per layout."""
+        """The jitted step, its shardings, the per-worker mask, the model-axis specs and one
+        worker's parameters and optimizer state (abstract), built once per layout."""
         self._runner.check_batch(batch)
-        local = jax.eval_shape(state.tx.init, base.abstract(state.params))
-        return (*self._build(state, batch), local)
+        local = state.replace(params=self._local_params(state.params))
+        local = local.replace(opt_state=jax.eval_shape(state.tx.init, local.params))
+        return (*self._build(local, batch, local.opt_state), local)
 
-    def _stack(self, state: TrainState, mask: Any, local: Any) -> TrainState:
+    def _stack(self, state: TrainState, mask: Any, model: Any, local: TrainState) -> TrainState:
         """Stacks the per-worker leaves of a state that holds one copy of them."""
-        n = self.num_workers
-        sharded = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
-        opt = jax.tree.map(
-            lambda x, m, loc: self._runner.stacked_leaf(x, loc.shape, what="opt_state") if m else x,
-            state.opt_state,
-            mask.opt_state,
-            local,
-        )
+
+        def stack(what):
+            def one(x, m, spec, loc):
+                return self._runner.stacked_leaf(x, loc.shape, what=what, model=spec) if m else x
+
+            args = (getattr(state, what), getattr(mask, what), getattr(model, what), getattr(local, what))
+            return jax.tree.map(one, *args)
+
         stats = jax.tree.map(
-            lambda x, m: layout.stacked(x, n, sharded) if m and self._returned.get(id(x)) is not x else x,
+            lambda x, m: self._runner.stacked(x) if m and self._returned.get(id(x)) is not x else x,
             state.batch_stats,
             mask.batch_stats,
         )
-        return state.replace(opt_state=opt, batch_stats=stats)
+        return state.replace(params=stack("params"), opt_state=stack("opt_state"), batch_stats=stats)
 
     def __call__(self, state: TrainState, *batch: Any) -> Any:
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"The first argument must be a jaxopt_dist.linen.TrainState; got {type(state).__name__}."
             )
-        jitted, shardings, mask, local = self._runner.cached(
-            runner.shape_key((state, batch)), lambda: self._checked_build(state, batch)
+        rules = (
+            nn.logical_axis_rules(self.logical_axis_rules) if self.logical_axis_rules is not None else None
         )
-        out = self._runner.dispatch(jitted, (self._stack(state, mask, local), batch), shardings, batch=1)
+        # The step's (Auto) mesh in context, also where the caller set an Explicit one; the
+        # logical axis rules given (if any) for the parameters' constraints inside the step.
+        with jax.set_mesh(self.mesh), rules or contextlib.nullcontext():
+            jitted, shardings, mask, model, local = self._runner.cached(
+                runner.shape_key((state, batch)), lambda: self._checked_build(state, batch)
+            )
+            placed = self._stack(state, mask, model, local)
+            out = self._runner.dispatch(jitted, (placed, batch), shardings, batch=1)
         self._returned = {id(x): x for x in jax.tree.leaves(out[0].batch_stats)}
         self._runner.throttle(out)
         return out if out[1] is not None else out[0]
@@ -199,6 +293,9 @@ def data_parallel(
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     batch_stats: Literal["sync", "per_worker"] = "sync",
     max_steps_in_flight: int | None = None,
+    per_worker_params: bool = False,
+    batch_axes: base.AxisName | None = None,
+    logical_axis_rules: Any = None,
 ) -> Any:
     r"""Runs a linen ``TrainState`` step written for one device as a data-parallel step.
 
@@ -206,9 +303,23 @@ def data_parallel(
     metrics)``, with :class:`TrainState` as the state and ``tx`` aggregating
     over ``axis_name``. The first call places the state on the mesh.
 
+    Sharded models need no other code: keep the parameters boxed as
+    ``model.init`` returns them with ``nn.with_partitioning(init, ("fsdp",
+    None))`` (mesh axes) or ``nn.with_logical_partitioning(init, ("embed",
+    "mlp"))`` (logical axes, mapped by ``logical_axis_rules``), create the
+    :class:`TrainState` from them, and pass the mesh with its model axes. The
+    specs are read off the boxes; inside the step only the data axes are manual
+    (``jax.shard_map(..., axis_names=data axes)``), so ``fn`` is ordinary
+    sharded JAX code. ``state.params`` and every leaf of ``state.opt_state``
+    that belongs to a parameter stay sharded over the model axes: each device
+    holds ``1 / (model-axis size)`` of them.
+
     Args:
       fn: the step. Without it, returns a decorator.
-      mesh: a mesh with the axis ``axis_name``.
+      mesh: a mesh with the axis ``axis_name``, and any model axes the
+        parameters' boxes name, e.g. ``jax.make_mesh((2, 4), ("data", "fsdp"))``.
+        A box naming the data axis, an axis ``mesh`` lacks, or a dimension
+        that does not divide evenly is rejected.
       axis_name: the data axis (or tuple of axes).
       batch_stats: ``"sync"``: running statistics replicated (averaged over the
         workers when the BatchNorm layers do not already do it through their
@@ -216,6 +327,21 @@ def data_parallel(
         leading worker axis; average them (``jnp.mean(x, 0)``) for evaluation.
       max_steps_in_flight: bound on queued steps; None: 4 on CPU meshes
         (XLA:CPU collectives can deadlock), unbounded on accelerators.
+      per_worker_params: keep one copy of the parameters per worker, for
+        transforms whose updates differ between workers
+        (:func:`jaxopt_dist.diloco`, ``average_params``, gossip): the first
+        call takes one copy and stacks it; the step returns them stacked along
+        a leading worker axis (average them, ``jnp.mean(x, 0)``, for
+        evaluation). Otherwise the parameters are replicated and such a
+        transform is rejected.
+      batch_axes: model axes that also split the batch, e.g. ``"fsdp"`` for
+        FSDP (the batch's leading axis is split over the data axes and these).
+        None: the data axes alone.
+      logical_axis_rules: the rules mapping the logical axis names of
+        ``nn.LogicallyPartitioned`` parameters to mesh axes, e.g.
+        ``(("embed", None), ("mlp", "fsdp"))``; also in force while ``fn`` is
+        traced (the parameters' sharding constraints). None: the rules of the
+        enclosing ``nn.logical_axis_rules`` context at the first call.
 
     Returns:
       A :class:`DataParallelTrainState` (or a decorator making one).
@@ -226,6 +352,8 @@ def data_parallel(
       layers' own ``pmean`` (with ``axis_name``), and one ``pmean`` per float
       metric. Parameters, replicated optimizer state, keys and metrics come out
       replicated; residuals and ``"per_worker"`` statistics are per-worker.
+      Over the model axes the compiler adds the collectives of sharded compute
+      (all-gathers of the parameters, reduce-scatters of their gradients).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, jaxopt_dist as jd
@@ -243,6 +371,20 @@ def data_parallel(
       >>> state, metrics = train_step(state, jnp.ones((2 * jax.device_count(), 3)))
       >>> int(state.step)
       1
+
+      A sharded model: the kernel's logical axis ``"mlp"`` split over ``"fsdp"``
+      inside each of the replicas on ``"data"``; the step is the same.
+
+      >>> init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+      >>> model = nn.Dense(4, kernel_init=init)
+      >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+      >>> state = jlinen.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+      >>> mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "fsdp"))
+      >>> rules = (("embed", None), ("mlp", "fsdp"))
+      >>> step = jlinen.data_parallel(train_step.fn, mesh=mesh, logical_axis_rules=rules)
+      >>> state, metrics = step(state, jnp.ones((8, 3)))
+      >>> state.params["kernel"].value.sharding.spec
+      P(None, 'fsdp')
     """
     return runner.front_end(
         fn,
@@ -250,5 +392,21 @@ def data_parallel(
         mesh=mesh,
         axis_name=axis_name,
         batch_stats=batch_stats,
+        logical_axis_rules=_check_rules(logical_axis_rules),
         max_steps_in_flight=max_steps_in_flight,
+        per_worker_params=per_worker_params,
+        batch_axes=batch_axes,
     )
+
+
+def _check_rules(rules: Any) -> Any:
+    """``logical_axis_rules`` as a tuple of (logical name, mesh axes) pairs, or None."""
+    if rules is None:
+        return None
+    try:
+        return tuple((str(name), mesh_axes) for name, mesh_axes in rules)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`logical_axis_rules` must be a sequence of (logical axis, mesh axes) pairs, e.g. "
+            f"(('embed', 'fsdp'), ('mlp', None)); got {rules!r}."
+        ) from None

@@ -8,10 +8,20 @@ kind of NNX state is given one consistent meaning:
 * ``nnx.Param``: replicated. Gradients are taken per worker (the step
   differentiates a per-worker copy), ``tx`` aggregates them (``all_reduce``,
   ``powersgd``, ...), and :meth:`Optimizer.update` applies the replicated update
-  to the replicated parameters.
+  to the replicated parameters. With ``per_worker_params=True`` (``diloco``,
+  ``average_params``, gossip) each worker keeps its own copy: the step keeps
+  the copies stacked (:meth:`DataParallel.worker_copies`) and the model holds
+  their average.
+* Sharded models: a mesh may have *model axes* besides the data axes, e.g.
+  ``jax.make_mesh((2, 4), ("data", "fsdp"))``. Variables whose sharding
+  metadata (``nnx.with_partitioning(init, ("fsdp", None))``) names model axes
+  are sharded over them inside each replica, the data axes stay manual and the
+  model axes are left to the compiler, as with ``param_specs`` of
+  :func:`jaxopt_dist.data_parallel_step`.
 * Optimizer state: placed as :func:`jaxopt_dist.data_parallel_step` places it:
   replicated leaves once, per-worker leaves (error-feedback residuals) stacked
-  along a leading worker axis inside the optimizer.
+  along a leading worker axis inside the optimizer; every leaf that belongs to a
+  parameter (moments, residuals, anchors) sharded over the model axes like it.
 * ``nnx.BatchStat`` (BatchNorm): ``batch_stats="sync"`` normalizes with the
   statistics of the *global* batch (SyncBN: the BatchNorm layers average their
   per-worker moments over the axis) and keeps replicated running statistics;
@@ -40,9 +50,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.nnx import spmd
 
 from jaxopt_dist._src import base, comm
-from jaxopt_dist._src.training import layout, placement, replicas, runner
+from jaxopt_dist._src.training import layout, model_axes, replicas, runner
 
 P = jax.sharding.PartitionSpec
 BatchStats = Literal["sync", "per_worker"]
@@ -68,17 +79,25 @@ class Optimizer(nnx.Optimizer):
 
     def __init__(self, model: Any, tx: optax.GradientTransformation, *, wrt: Any = nnx.Param, **kwargs: Any):
         super().__init__(model, tx, wrt=wrt, **kwargs)
-        params = nnx.as_pure(nnx.state(model, wrt))
-        leaves, treedef = jax.tree.flatten(params)
-        # Static (hashable) description of one copy of the parameters, for the placement.
+        state = nnx.state(model, wrt)
+        leaves, treedef = jax.tree.flatten(nnx.as_pure(state))
+        variables = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        # Static (hashable) description of one copy of the parameters, for the placement:
+        # their structure, shapes and dtypes, and their specs over the model axes (metadata).
         self.param_struct = (
             treedef,
             tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves),
+            tuple(variable_spec(v) for v in variables),
         )
 
     def abstract_params(self) -> Any:
-        treedef, leaves = self.param_struct
+        treedef, leaves, _ = self.param_struct
         return jax.tree.unflatten(treedef, list(leaves))
+
+    def param_specs(self) -> Any:
+        """The parameters' PartitionSpecs over the model axes, read off their sharding metadata."""
+        treedef, _, specs = self.param_struct
+        return jax.tree.unflatten(treedef, list(specs))
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> optax.Updates:
         """Steps ``tx`` with ``grads`` and writes the new parameters into ``model``."""
@@ -104,10 +123,24 @@ class _Leaf:
     kind: str  # "param", "key", "batch_stat", "metric", "opt", "other"
     per_worker: bool = False
     local_shape: tuple[int, ...] | None = None  # optimizer state: the shape of one worker's copy
+    model: P = P()  # the spec over the model axes
+
+    @property
+    def kept_stacked(self) -> bool:
+        """Per-worker copies the step keeps (stacked) while the NNX object holds their mean."""
+        return self.per_worker and self.local_shape is None
 
 
 def _path_str(path: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in path)
+
+
+def variable_spec(var: nnx.Variable) -> P:
+    """A Variable's PartitionSpec over the model axes, from its sharding metadata
+    (``nnx.with_partitioning``; logical names mapped by the rules in force, as
+    ``nnx.get_partition_spec`` does); ``P()`` without."""
+    spec = spmd.get_var_pspec(var)
+    return P() if spec is None else spec
 
 
 def _key_name(key: Any) -> Any:
@@ -152,51 +185,81 @@ class DataParallel(runner.RunsSteps):
     axis_name: base.AxisName
     batch_stats: BatchStats
     max_steps_in_flight: int | None = None
-    # Per-worker running statistics: path -> (average written into the model, stacked copies).
+    per_worker_params: bool = False
+    batch_axes: tuple[Any, ...] = ()
+    # Per-worker running statistics and parameters: path -> (average written into the model,
+    # stacked copies).
     _worker_stats: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
     _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
 
     # -- layout -------------------------------------------------------------
 
-    def _layout(self, nodes: Any, variables: list[nnx.Variable], paths: list[tuple[Any, ...]]) -> list[_Leaf]:
-        """Kind and placement of every state leaf of ``nodes`` (in flattening order)."""
-        opt_per_worker: dict[tuple[Any, ...], tuple[bool, tuple[int, ...]]] = {}
+    def _optimizer_leaves(self, nodes: Any) -> dict[tuple[Any, ...], tuple[bool, tuple[int, ...], P]]:
+        """Path -> (per-worker, one worker's shape, model spec) of each Optimizer's state leaf."""
+        out = {}
         for path, node in nnx.iter_graph(nodes):
-            if isinstance(node, Optimizer):
-                found = placement.replicated_params_placement(
-                    node.tx, node.abstract_params(), mesh=self.mesh, axis_name=self.axis_name
-                )
-                prefix = (*tuple(path), "opt_state")
-                local = jax.eval_shape(node.tx.init, node.abstract_params())
-                masks = jax.tree_util.tree_flatten_with_path(found.per_worker)[0]
-                for (keypath, mask), x in zip(masks, jax.tree.leaves(local)):
-                    opt_per_worker[(*prefix, *map(_key_name, keypath))] = (mask, tuple(x.shape))
-        missing = [p for p in opt_per_worker if p not in paths]
+            if not isinstance(node, Optimizer):
+                continue
+            params = node.abstract_params()
+            found = runner.opt_placement(
+                node.tx,
+                params,
+                mesh=self.mesh,
+                axis_name=self.axis_name,
+                per_worker_params=self.per_worker_params,
+            )
+            local = jax.eval_shape(node.tx.init, params)
+            p_model = self._checked_specs(node.param_specs(), params, what="the optimizer's parameter")
+            s_model = jax.tree.leaves(
+                model_axes.state_specs(local, params, p_model), is_leaf=model_axes.is_spec
+            )
+            masks = jax.tree_util.tree_flatten_with_path(found.per_worker)[0]
+            prefix = (*tuple(path), "opt_state")
+            for (keypath, mask), x, spec in zip(masks, jax.tree.leaves(local), s_model):
+                out[(*prefix, *map(_key_name, keypath))] = (mask, tuple(x.shape), spec)
+        return out
+
+    def _checked_specs(self, specs: Any, values: Any, *, what: str) -> Any:
+        """``specs`` checked against the mesh (model axes only, dimensions divisible)."""
+        try:
+            return model_axes.check_param_specs(specs, values, mesh=self.mesh, axis_name=self.axis_name)
+        except ValueError as e:
+            raise ValueError(f"The sharding metadata of {what}: {e}") from None
+
+    def _layout(self, nodes: Any, variables: list[nnx.Variable], paths: list[tuple[Any, ...]]) -> list[_Leaf]:
+        """Kind, placement and model spec of every state leaf of ``nodes`` (in flattening order)."""
+        opt_leaves = self._optimizer_leaves(nodes)
+        missing = [p for p in opt_leaves if p not in paths]
         if missing:  # pragma: no cover - guards flax internals
             raise ValueError(f"Unexpected optimizer state layout at {_path_str(missing[0])}.")
+        names = {p: _path_str(p) for p in paths if p not in opt_leaves}
+        specs = self._checked_specs(
+            {names[p]: variable_spec(v) for v, p in zip(variables, paths) if p in names},
+            {names[p]: base.abstract(v.get_value()) for v, p in zip(variables, paths) if p in names},
+            what="a variable",
+        )
         leaves = []
         for var, path in zip(variables, paths):
             kind = _classify(var)
-            if path in opt_per_worker:
-                per_worker, local_shape = opt_per_worker[path]
-                leaves.append(_Leaf(path, kind, per_worker, local_shape))
-            else:
-                per_worker = kind == "batch_stat" and self.batch_stats == "per_worker"
-                leaves.append(_Leaf(path, kind, per_worker))
+            if path in opt_leaves:
+                leaves.append(_Leaf(path, kind, *opt_leaves[path]))
+                continue
+            per_worker = kind == "batch_stat" and self.batch_stats == "per_worker"
+            per_worker = per_worker or (kind == "param" and self.per_worker_params)
+            leaves.append(_Leaf(path, kind, per_worker, model=specs[names[path]]))
         return leaves
 
     def _stack_inputs(self, values: list[Any], leaves: list[_Leaf]) -> list[Any]:
         """Per-worker leaves as stacked arrays (worker ``i`` owns row ``i``)."""
-        n = self.num_workers
-        sharded = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
         out = []
         for x, leaf in zip(values, leaves):
-            if leaf.per_worker:
-                if leaf.kind == "batch_stat":
-                    kept = self._worker_stats.get(leaf.path)
-                    x = kept[1] if kept is not None and kept[0] is x else layout.stacked(x, n, sharded)
-                elif leaf.local_shape is not None:
-                    x = self._runner.stacked_leaf(x, leaf.local_shape, what=_path_str(leaf.path))
+            if leaf.kept_stacked:
+                kept = self._worker_stats.get(leaf.path)
+                x = kept[1] if kept is not None and kept[0] is x else self._runner.stacked(x, leaf.model)
+            elif leaf.per_worker and leaf.local_shape is not None:
+                x = self._runner.stacked_leaf(
+                    x, leaf.local_shape, what=_path_str(leaf.path), model=leaf.model
+                )
             out.append(x)
         return out
 
@@ -245,27 +308,44 @@ class DataParallel(runner.RunsSteps):
         spec = layout.data_spec(self.axis_name)
         v_spec = [spec if leaf.per_worker else P() for leaf in leaves]
         b_spec = jax.tree.map(lambda _: spec, batch)
+        model = [leaf.model for leaf in leaves]
+        sharded = bool(self.batch_axes) or any(model_axes.spec_names(m) for m in model)
         fn = jax.shard_map(
             self._body(graphdef, treedef, leaves, batch_pos, nargs),
             mesh=self.mesh,
             in_specs=(v_spec, b_spec),
             out_specs=(v_spec, P()),
             check_vma=True,
+            **runner.manual_axes(self.axis_name, sharded),
         )
 
         def step(values, batch):
             new_values, out = fn(values, batch)
+            # Per-worker copies kept by the step: the NNX objects hold their mean.
             means = [
-                jnp.mean(x, axis=0) if leaf.per_worker and leaf.kind == "batch_stat" else None
+                jnp.mean(x, axis=0).astype(x.dtype) if leaf.kept_stacked else None
                 for x, leaf in zip(new_values, leaves)
             ]
             return new_values, means, out
 
         shard = lambda s: jax.sharding.NamedSharding(self.mesh, s)  # noqa: E731
-        shardings = ([shard(s) for s in v_spec], jax.tree.map(shard, b_spec))
-        return jax.jit(step), shardings
+        v_shard = model_axes.shardings(self.mesh, v_spec, model)
+        b_shard = jax.tree.map(
+            lambda _: shard(layout.axes_spec((*base.axis_names(self.axis_name), *self.batch_axes))), batch
+        )
+        if not sharded:
+            return jax.jit(step), (v_shard, b_shard)
+        # The outputs keep the inputs' shardings (the compiler could pick others).
+        m_shard = [shard(leaf.model) if leaf.kept_stacked else None for leaf in leaves]
+        return jax.jit(step, out_shardings=(v_shard, m_shard, shard(P()))), (v_shard, b_shard)
 
     def __call__(self, *args: Any) -> Any:
+        # The step's (Auto) mesh in context, also where the caller set the Explicit mesh
+        # that sharded NNX models are built under (`with jax.set_mesh(mesh)`).
+        with jax.set_mesh(self.mesh):
+            return self._call(*args)
+
+    def _call(self, *args: Any) -> Any:
         nargs = len(args)
         node_pos = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
         batch_pos = [i for i in range(nargs) if i not in node_pos]
@@ -296,6 +376,17 @@ class DataParallel(runner.RunsSteps):
         self._write_back(nodes, treedef, new_values, means, leaves)
         self._runner.throttle((out, new_values))
         return out
+
+    def worker_copies(self) -> dict[str, jax.Array]:
+        """The per-worker values the step keeps while the NNX objects hold their average.
+
+        Parameters with ``per_worker_params`` and running statistics with
+        ``batch_stats="per_worker"``, each stacked along a leading worker axis
+        (placed over the data axes, and over the model axes like the variable),
+        keyed by the variable's path among the step's NNX arguments
+        (``"0/linear/kernel"``: argument 0's ``linear.kernel``).
+        """
+        return {_path_str(path): kept for path, (_, kept) in self._worker_stats.items()}
 
     def _write_back(self, nodes: Any, treedef: Any, new_values: list[Any], means: list[Any], leaves) -> None:
         """Writes the step's new state into the NNX objects; per-worker statistics as their mean."""
@@ -348,6 +439,8 @@ def data_parallel(
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
     batch_stats: BatchStats = "sync",
     max_steps_in_flight: int | None = None,
+    per_worker_params: bool = False,
+    batch_axes: base.AxisName | None = None,
 ) -> Any:
     r"""Runs an NNX step written for one device as a data-parallel step over ``mesh``.
 
@@ -359,10 +452,26 @@ def data_parallel(
     is kept consistent as described in :mod:`jaxopt_dist.nnx`. What ``fn``
     returns comes back replicated: floats averaged over workers.
 
+    Sharded models need no other code: build the model (and its
+    :class:`Optimizer`) with sharding metadata, e.g.
+    ``nnx.Linear(..., kernel_init=nnx.with_partitioning(init, ("fsdp", None)))``
+    under ``with jax.set_mesh(mesh)``, and pass the same mesh with its model
+    axes. The specs are read off the variables' metadata (logical names are
+    mapped by the rules in force, as ``nnx.get_partition_spec`` maps them);
+    inside the step only the data axes are manual (``jax.shard_map(...,
+    axis_names=data axes)``), so ``fn`` is ordinary sharded JAX code. The
+    variables, and every optimizer-state leaf that belongs to a parameter,
+    stay sharded over the model axes: each device holds ``1 / (model-axis
+    size)`` of them.
+
     Args:
       fn: the step, e.g. ``train_step(model, optimizer, metrics, batch)``.
         Without it, returns a decorator.
-      mesh: a mesh with the axis ``axis_name``, e.g. ``jax.make_mesh((8,), ("data",))``.
+      mesh: a mesh with the axis ``axis_name``, e.g. ``jax.make_mesh((8,), ("data",))``,
+        and any model axes the variables' sharding metadata names, e.g.
+        ``jax.make_mesh((2, 4), ("data", "fsdp"))``. A variable whose metadata
+        names the data axis, an axis ``mesh`` lacks, or a dimension that does
+        not divide evenly is rejected.
       axis_name: the data axis (or tuple of axes).
       batch_stats: ``"sync"`` (default): BatchNorm layers normalize with the
         global batch's statistics (SyncBN; two small all-reduces per layer and
@@ -371,6 +480,17 @@ def data_parallel(
         statistics; the model holds their average (for evaluation).
       max_steps_in_flight: bound on queued steps; None: 4 on CPU meshes
         (XLA:CPU collectives can deadlock), unbounded on accelerators.
+      per_worker_params: each worker keeps its own copy of the parameters,
+        for transforms whose updates differ between workers
+        (:func:`jaxopt_dist.diloco`, ``average_params``, gossip). The step
+        keeps the copies stacked along a leading worker axis (sharded over the
+        model axes like the parameter; see :meth:`DataParallel.worker_copies`)
+        and writes their average into the model after each step, for
+        evaluation: one all-reduce of the parameters per step. Otherwise the
+        parameters are replicated and such a transform is rejected.
+      batch_axes: model axes that also split the batch, e.g. ``"fsdp"`` for
+        FSDP (the batch's leading axis is split over the data axes and these).
+        None: the data axes alone.
 
     Returns:
       A :class:`DataParallel` step (or a decorator making one).
@@ -382,7 +502,9 @@ def data_parallel(
       ``pmean`` per floating-point output. Parameters, replicated optimizer
       state, running statistics (sync), RNG keys/counters and metrics come out
       replicated; error-feedback residuals and per-worker statistics are
-      per-worker, stacked along a leading worker axis.
+      per-worker, stacked along a leading worker axis. Over the model axes the
+      compiler adds the collectives of sharded compute (all-gathers of the
+      parameters, reduce-scatters of their gradients).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxopt_dist as jd
@@ -400,6 +522,18 @@ def data_parallel(
       >>> loss = train_step(model, optimizer, jnp.ones((2 * jax.device_count(), 3)))
       >>> loss.shape
       ()
+
+      A sharded model: the kernel split over ``"fsdp"`` inside each of the
+      replicas on ``"data"``; the step is the same.
+
+      >>> mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "fsdp"))
+      >>> with jax.set_mesh(mesh):
+      ...     init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("fsdp", None))
+      ...     model = nnx.Linear(4, 2, kernel_init=init, rngs=nnx.Rngs(0))
+      ...     optimizer = jnnx.Optimizer(model, optax.chain(jd.all_reduce(), optax.adamw(1e-3)), wrt=nnx.Param)
+      >>> loss = jnnx.data_parallel(train_step.fn, mesh=mesh)(model, optimizer, jnp.ones((8, 4)))
+      >>> model.kernel[...].sharding.spec
+      P('fsdp', None)
     """
     return runner.front_end(
         fn,
@@ -408,4 +542,6 @@ def data_parallel(
         axis_name=axis_name,
         batch_stats=batch_stats,
         max_steps_in_flight=max_steps_in_flight,
+        per_worker_params=per_worker_params,
+        batch_axes=batch_axes,
     )

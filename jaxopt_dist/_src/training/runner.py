@@ -21,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxopt_dist._src import base
-from jaxopt_dist._src.training import layout
+from jaxopt_dist._src.training import layout, placement
 
+P = jax.sharding.PartitionSpec
 T = TypeVar("T")
+REPLICATED = P()
+"""The model-axis spec of a leaf that is not sharded over model axes."""
 
 
 def shape_key(tree: Any) -> tuple[Any, ...]:
@@ -81,12 +84,29 @@ class StepRunner:
         """Rejects ``tree`` unless it has ``expected``'s layout for this mesh's workers."""
         layout.check_layout(tree, expected, what=what, n=self.num_workers, axis_name=self.axis_name)
 
-    def stacked_leaf(self, x: Any, local_shape: tuple[int, ...], *, what: str) -> Any:
+    def stacked_sharding(self, model: P = REPLICATED) -> jax.sharding.NamedSharding:
+        """The sharding of a leaf stacked over the data axes, sharded by ``model`` over the model axes."""
+        return jax.sharding.NamedSharding(
+            self.mesh, layout.full_spec(layout.data_spec(self.axis_name), model)
+        )
+
+    def stacked(self, x: Any, model: P = REPLICATED) -> jax.Array:
+        """One worker's copy ``x`` stacked for every worker (worker ``i`` owns row ``i``), sharded
+        by ``model`` over the model axes; nothing is gathered on one device."""
+        on = getattr(x, "sharding", None)
+        if isinstance(on, jax.sharding.NamedSharding) and on.mesh != self.mesh and not layout.is_global(x):
+            # Onto this mesh first: an array on another mesh (the caller's Explicit one, that
+            # sharded Flax models are built on) cannot be sliced with this one in context.
+            x = jax.device_put(x, jax.sharding.NamedSharding(self.mesh, model))
+        return layout.stacked(x, self.num_workers, self.stacked_sharding(model))
+
+    def stacked_leaf(self, x: Any, local_shape: tuple[int, ...], *, what: str, model: P = REPLICATED) -> Any:
         """A per-worker leaf ready for the step: one worker's copy (``local_shape``) is
-        stacked for every worker; an already stacked one must have a row per worker."""
-        sharding = jax.sharding.NamedSharding(self.mesh, layout.data_spec(self.axis_name))
+        stacked for every worker; an already stacked one must have a row per worker.
+        ``model``: the leaf's spec over the model axes."""
+        sharding = self.stacked_sharding(model)
         if tuple(np.shape(x)) == tuple(local_shape):
-            return layout.stacked(x, self.num_workers, sharding)
+            return self.stacked(x, model)
         want = jax.ShapeDtypeStruct((self.num_workers, *local_shape), jnp.result_type(x), sharding=sharding)
         self.check_layout(x, want, what=what)
         return x
@@ -107,7 +127,10 @@ class StepRunner:
         """
         if self.mesh.is_multi_process:
             args = (*args[:batch], layout.global_batch(args[batch], shardings[batch]), *args[batch + 1 :])
-        return fn(*jax.device_put(args, shardings))
+        # The step's mesh in context: a caller's `with jax.set_mesh(...)` (an Explicit mesh, as
+        # sharded Flax models are built under) would otherwise clash with the step's shard_map.
+        with jax.set_mesh(self.mesh):
+            return fn(*jax.device_put(args, shardings))
 
     def throttle(self, token: Any) -> None:
         """Records a dispatched call by ``token`` (arrays it returns that are never donated);
@@ -144,6 +167,35 @@ class RunsSteps:
         return self._runner.in_flight_limit()
 
 
+def check_batch_axes(batch_axes: Any, mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> tuple[Any, ...]:
+    """``batch_axes`` (None, a model axis of ``mesh`` or a tuple of them) as a tuple."""
+    names = () if batch_axes is None else base.axis_names(base.validate_axis_name(batch_axes))
+    layout.mesh_axis_size(mesh, names)
+    for a in names:
+        if a in base.axis_names(axis_name):
+            raise ValueError(
+                f"`batch_axes` names the data axis {a!r}, which always splits the batch. Name the "
+                "model axes that split it too (e.g. batch_axes='fsdp')."
+            )
+    return names
+
+
+def opt_placement(
+    tx: Any, params: Any, *, mesh: Any, axis_name: base.AxisName, per_worker_params: bool
+) -> Any:
+    """The placement of ``tx``'s state for one copy of ``params``; updates that differ between
+    workers are rejected unless the parameters are per-worker."""
+    if not per_worker_params:
+        return placement.replicated_params_placement(tx, params, mesh=mesh, axis_name=axis_name)
+    return placement.opt_state_placement(tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=True)
+
+
+def manual_axes(axis_name: base.AxisName, sharded: bool) -> dict[str, Any]:
+    """``jax.shard_map`` keywords: only the data axes manual when the model is ``sharded`` over
+    model axes (those are left to the compiler); every axis manual otherwise."""
+    return {"axis_names": set(base.axis_names(axis_name))} if sharded else {}
+
+
 BATCH_STATS = ("sync", "per_worker")
 """The ``batch_stats`` modes of the Flax front ends."""
 
@@ -156,9 +208,13 @@ def front_end(
     axis_name: base.AxisName,
     batch_stats: str,
     max_steps_in_flight: int | None,
+    per_worker_params: bool = False,
+    batch_axes: Any = None,
+    **options: Any,
 ) -> Any:
     """The decorator of both Flax front ends: checks the options, then ``make(fn, mesh, ...)``.
 
+    ``options`` (e.g. linen's ``logical_axis_rules``) are passed on to ``make`` as keywords.
     Returns the step made for ``fn``, or a decorator making one when ``fn`` is None.
     """
     axis_name = base.validate_axis_name(axis_name)
@@ -166,11 +222,15 @@ def front_end(
         raise ValueError(f"`batch_stats` must be one of {BATCH_STATS}; got {batch_stats!r}.")
     layout.check_mesh(mesh, axis_name)
     max_steps_in_flight = check_max_steps_in_flight(max_steps_in_flight)
+    options.update(
+        per_worker_params=base.check_bool(per_worker_params, "per_worker_params"),
+        batch_axes=check_batch_axes(batch_axes, mesh, axis_name),
+    )
     auto = layout.auto_axes(mesh)
 
     def wrap(f: Callable[..., Any]) -> T:
         if not callable(f):
             raise TypeError(f"`fn` must be callable; got {f!r}.")
-        return make(f, auto, axis_name, batch_stats, max_steps_in_flight)
+        return make(f, auto, axis_name, batch_stats, max_steps_in_flight, **options)
 
     return wrap if fn is None else wrap(fn)
