@@ -296,3 +296,15 @@ def test_param_specs_may_be_a_tree_prefix_with_none_for_unsharded():
     assert got == {"a": P("fsdp"), "b": {"c": P("fsdp"), "d": P()}}
     whole = model_axes.check_param_specs(P(), params, mesh=_mesh("fsdp"), axis_name="data")
     assert jax.tree.leaves(whole, is_leaf=model_axes.is_spec) == [P()] * 3
+
+
+def test_step_works_under_the_callers_explicit_mesh():
+    """Models are often built under ``jax.set_mesh`` with the usual (Explicit) mesh in context."""
+    mesh = _mesh("fsdp")
+    step = jd.data_parallel_step(
+        _loss, optax.chain(jd.all_reduce(), jd.sgd(0.1)), mesh=mesh, param_specs=FSDP, batch_axes="fsdp"
+    )
+    with jax.set_mesh(mesh):
+        params, state = step.init(_params())
+        params, state, metrics = step(params, state, _batches(1)[0])
+    assert np.isfinite(float(metrics["loss"])) and params["w1"].sharding.spec == P(None, "fsdp")

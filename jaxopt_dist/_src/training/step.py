@@ -8,6 +8,7 @@ shared :class:`~.runner.StepRunner`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -185,6 +186,10 @@ class DataParallelStep(runner.RunsSteps):
         """The state placement for one copy of ``params``."""
         return self._runner.cached(("placement", runner.shape_key(params)), lambda: self._trace(params))
 
+    def _step_mesh(self) -> Any:
+        """The step's own mesh in context, over a caller's ``jax.set_mesh`` (sharded models only)."""
+        return jax.set_mesh(self.mesh) if self.param_specs is not None else contextlib.nullcontext()
+
     def _trace(self, params: Any) -> placement.Placement:
         found = placement.trace_placement(
             self.tx,
@@ -222,9 +227,10 @@ class DataParallelStep(runner.RunsSteps):
           data axes), or stacked per worker when ``per_worker_params``; with
           ``param_specs``, every leaf sharded over the model axes like its parameter.
         """
-        (p_spec, s_spec), (p_model, s_model) = self._specs(params), self._model_specs(params)
-        state = layout.place_by_specs(self.tx.init(params), s_spec, mesh=self.mesh, model_specs=s_model)
-        return layout.place_by_specs(params, p_spec, mesh=self.mesh, model_specs=p_model), state
+        with self._step_mesh():
+            (p_spec, s_spec), (p_model, s_model) = self._specs(params), self._model_specs(params)
+            state = layout.place_by_specs(self.tx.init(params), s_spec, mesh=self.mesh, model_specs=s_model)
+            return layout.place_by_specs(params, p_spec, mesh=self.mesh, model_specs=p_model), state
 
     def abstract_init(self, params: Any) -> tuple[Any, Any]:
         """Like :meth:`init`, as ``jax.ShapeDtypeStruct`` leaves with shardings; nothing is allocated.
@@ -235,8 +241,9 @@ class DataParallelStep(runner.RunsSteps):
         ``P(axis_name)``, the rest replicated.
         """
         local = base.abstract(params)
-        (p_spec, s_spec), (p_model, s_model) = self._specs(local), self._model_specs(local)
-        state = jax.eval_shape(self.tx.init, local)
+        with self._step_mesh():
+            (p_spec, s_spec), (p_model, s_model) = self._specs(local), self._model_specs(local)
+            state = jax.eval_shape(self.tx.init, local)
         return layout.placed_abstract(local, p_spec, self.mesh, p_model), layout.placed_abstract(
             state, s_spec, self.mesh, s_model
         )
@@ -310,6 +317,10 @@ class DataParallelStep(runner.RunsSteps):
         key = ("step", runner.shape_key((params, opt_state, batch)))
 
         def build():
+            with self._step_mesh():
+                return checked_build()
+
+        def checked_build():
             self._check_layouts(params, opt_state)
             split = layout.mesh_axis_size(self.mesh, (*base.axis_names(self.axis_name), *self.batch_axes))
             layout.check_batch(batch, split)
@@ -442,7 +453,7 @@ def data_parallel_step(
             f"`loss_scale` must be a function of the optimizer state (e.g. jaxopt_dist.loss_scale); got {loss_scale!r}."
         )
     layout.check_mesh(mesh, axis_name)
-    batch_axes = _check_batch_axes(batch_axes, mesh, axis_name)
+    batch_axes = runner.check_batch_axes(batch_axes, mesh, axis_name)
     if param_specs is not None:
         mesh = layout.auto_axes(mesh)  # model axes are the compiler's (GSPMD/Shardy propagation)
     return DataParallelStep(
@@ -458,18 +469,3 @@ def data_parallel_step(
         param_specs=param_specs,
         batch_axes=batch_axes,
     )
-
-
-def _check_batch_axes(batch_axes: Any, mesh: jax.sharding.Mesh, axis_name: base.AxisName) -> tuple[Any, ...]:
-    """``batch_axes`` as a tuple of model axes of ``mesh`` (empty for None)."""
-    if batch_axes is None:
-        return ()
-    names = base.axis_names(base.validate_axis_name(batch_axes))
-    layout.mesh_axis_size(mesh, names)
-    clash = [a for a in names if a in base.axis_names(axis_name)]
-    if clash:
-        raise ValueError(
-            f"`batch_axes` names the data axis {clash[0]!r}; the batch is always split over the data "
-            f"axes. Name the model axes that split it too (e.g. batch_axes='fsdp')."
-        )
-    return names
