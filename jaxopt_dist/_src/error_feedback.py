@@ -17,12 +17,14 @@ nothing is lost, only delayed (Seide et al. 2014; Karimireddy et al. 2019).
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxopt_dist._src import base, comm
@@ -245,3 +247,129 @@ def error_feedback(
 def residual(state: ErrorFeedbackState) -> optax.Updates:
     """The residual held in an :class:`ErrorFeedbackState` (``()`` if disabled)."""
     return state.residual
+
+
+# ----------------------------------------------------------------------------
+# The two-sided 1-bit all-reduce (DeepSpeed's ``compressed_allreduce``), shared by
+# 1-bit Adam and 0/1 Adam: error feedback on the worker and on the server side.
+
+
+def onebit_padded_size(size: int, num_workers: int) -> int:
+    """``size`` rounded up to a multiple of ``n * lcm(n, 8)`` (DeepSpeed's padding).
+
+    The length of the worker error of a leaf of ``size`` entries in
+    :func:`onebit_allreduce`; its server error holds ``1 / n`` of it.
+    """
+    unit = num_workers * math.lcm(num_workers, 8)
+    return -(-size // unit) * unit
+
+
+def _sign_bits(x: jax.Array) -> jax.Array:
+    """True where the 1-bit sign is -1 (``x < 0``); ``x >= 0`` (and NaN) is +1."""
+    return x < 0
+
+
+def _pm(neg: jax.Array) -> jax.Array:
+    return jnp.where(neg, jnp.float32(-1), jnp.float32(1))
+
+
+def _scale(x: jax.Array) -> jax.Array:
+    return jnp.linalg.norm(x) / jnp.float32(np.sqrt(x.shape[-1]))
+
+
+def _f32_bytes(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8)
+
+
+def _worker_side(m: jax.Array, error: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """(message rows ``(n, P / (8 n) + 4)`` uint8: packed signs of chunk j, then the scale; new error)."""
+    size = error.shape[0]
+    x = jnp.pad(jnp.ravel(m), (0, size - m.size)) + error
+    scale = _scale(x)
+    neg = _sign_bits(x)
+    new_error = x - scale * _pm(neg)
+    packed = jnp.packbits(neg.reshape(n, size // n), axis=1)
+    rows = jnp.concatenate([packed, jnp.broadcast_to(_f32_bytes(scale), (n, 4))], axis=1)
+    return rows, new_error
+
+
+def _server_side(
+    rows: jax.Array, error: jax.Array, n: int, axis_name: base.AxisName
+) -> tuple[list[jax.Array], jax.Array]:
+    """Received rows ``(n, chunk / 8 + 4)`` -> (server message [packed signs, scale], new server error)."""
+    chunk = error.shape[0]
+    signs = jnp.unpackbits(rows[:, : chunk // 8], axis=1, count=chunk)
+    scales = jax.lax.bitcast_convert_type(rows[:, chunk // 8 :], jnp.float32)  # (n,)
+    inv_n = jnp.float32(1.0 / n)
+
+    def add(w, acc):
+        return acc + _pm(signs[w].astype(bool)) * (scales[w] * inv_n)
+
+    zero = comm.to_varying(jnp.zeros((chunk,), jnp.float32), axis_name)  # the rows are per-worker
+    c = jax.lax.fori_loop(0, n, add, zero) + error
+    scale = _scale(c)
+    neg = _sign_bits(c)
+    return [jnp.packbits(neg), scale], c - scale * _pm(neg)
+
+
+def onebit_allreduce(
+    leaves: Sequence[jax.Array],
+    worker_errors: Sequence[jax.Array],
+    server_errors: Sequence[jax.Array],
+    num_workers: int,
+    axis_name: base.AxisName,
+    *,
+    caller: str | None = None,
+) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    r"""The mean of ``leaves`` over the workers through DeepSpeed's two-sided 1-bit all-reduce.
+
+    Per leaf, each worker flattens its float32 value, pads it with zeros to
+    :math:`P` entries (:func:`onebit_padded_size`), adds its worker error
+    :math:`e_i` and sends :math:`x_i = \text{leaf}_i + e_i` as
+    :math:`s_i \operatorname{sign}(x_i)`, :math:`s_i = \lVert x_i \rVert_2 /
+    \sqrt P` (``sign(0) = +1``), keeping :math:`e_i \leftarrow x_i - s_i
+    \operatorname{sign}(x_i)`. Chunk :math:`j` (:math:`P / n` entries) of every
+    worker's signs goes to worker :math:`j` (one all-to-all of every leaf), which
+    averages :math:`c_j = \frac1n \sum_i s_i \operatorname{sign}(x_i)_j`, adds its
+    server error :math:`\epsilon_j`, compresses again with the scale
+    :math:`\lVert c_j + \epsilon_j \rVert / \sqrt{P / n}` and keeps the new
+    server error. The compressed chunks are all-gathered (one all-gather of
+    every leaf); their concatenation, cut to the leaf's size, is the result.
+
+    Args:
+      leaves: this worker's float32 arrays.
+      worker_errors: per leaf, float32[P]; per-worker.
+      server_errors: per leaf, float32[P / n], the error of the chunk this
+        worker reduces; per-worker.
+      num_workers: ``n``, the size of ``axis_name`` (at least 2: with one
+        worker there is nothing to exchange).
+      axis_name: the workers' axis.
+      caller: names the transform in the unbound-axis error.
+
+    Returns:
+      ``(means, new_worker_errors, new_server_errors)``: the results in the
+      leaves' shapes, bit-identical on every worker (typed replicated under
+      ``shard_map``), and the new errors (per-worker).
+    """
+    n = num_workers
+    rows, new_we = [], []
+    for m, e in zip(leaves, worker_errors):
+        r, e = _worker_side(m, e, n)
+        rows.append(r)
+        new_we.append(e)
+    widths = [r.shape[1] for r in rows]
+    received = comm.all_to_all(jnp.concatenate(rows, axis=1), axis_name, caller=caller)
+    payload, new_se, offset = [], [], 0
+    for w, e in zip(widths, server_errors):
+        msg, e = _server_side(received[:, offset : offset + w], e, n, axis_name)
+        payload += msg
+        new_se.append(e)
+        offset += w
+    gathered = comm.all_gather_packed(payload, axis_name, caller=caller)
+    out = []
+    for j, m in enumerate(leaves):
+        bits, scales = gathered[2 * j], gathered[2 * j + 1]  # (n, chunk / 8), (n,)
+        chunk = bits.shape[1] * 8
+        signs = _pm(jnp.unpackbits(bits, axis=1, count=chunk).astype(bool))
+        out.append((signs * scales[:, None]).reshape(-1)[: m.size].reshape(m.shape))
+    return out, new_we, new_se

@@ -35,16 +35,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from jaxopt_dist._src import base, comm
+from jaxopt_dist._src import base, comm, error_feedback
 
 
 def padded_size(size: int, num_workers: int) -> int:
     """``size`` rounded up to a multiple of ``n * lcm(n, 8)`` (DeepSpeed's padding)."""
-    unit = num_workers * math.lcm(num_workers, 8)
-    return -(-size // unit) * unit
+    return error_feedback.onebit_padded_size(size, num_workers)
 
 
 @base.reshard_rules()
@@ -66,81 +64,6 @@ class OnebitAdamState(NamedTuple):
     nu: optax.Updates  # like params, float32, replicated
     worker_error: tuple[jax.Array, ...]  # float32[P_l] per leaf, per-worker
     server_error: tuple[jax.Array, ...]  # float32[P_l / n] per leaf, per-worker
-
-
-def _sign_bits(x: jax.Array) -> jax.Array:
-    """True where the 1-bit sign is -1 (``x < 0``); ``x >= 0`` (and NaN) is +1."""
-    return x < 0
-
-
-def _pm(neg: jax.Array) -> jax.Array:
-    return jnp.where(neg, jnp.float32(-1), jnp.float32(1))
-
-
-def _scale(x: jax.Array) -> jax.Array:
-    return jnp.linalg.norm(x) / jnp.float32(np.sqrt(x.shape[-1]))
-
-
-def _f32_bytes(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint8)
-
-
-def _worker_side(m: jax.Array, error: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
-    """(message rows ``(n, P / (8 n) + 4)`` uint8: packed signs of chunk j, then the scale; new error)."""
-    size = error.shape[0]
-    x = jnp.pad(jnp.ravel(m), (0, size - m.size)) + error
-    scale = _scale(x)
-    neg = _sign_bits(x)
-    new_error = x - scale * _pm(neg)
-    packed = jnp.packbits(neg.reshape(n, size // n), axis=1)
-    rows = jnp.concatenate([packed, jnp.broadcast_to(_f32_bytes(scale), (n, 4))], axis=1)
-    return rows, new_error
-
-
-def _server_side(
-    rows: jax.Array, error: jax.Array, n: int, axis_name: base.AxisName
-) -> tuple[list[jax.Array], jax.Array]:
-    """Received rows ``(n, chunk / 8 + 4)`` -> (server message [packed signs, scale], new server error)."""
-    chunk = error.shape[0]
-    signs = jnp.unpackbits(rows[:, : chunk // 8], axis=1, count=chunk)
-    scales = jax.lax.bitcast_convert_type(rows[:, chunk // 8 :], jnp.float32)  # (n,)
-    inv_n = jnp.float32(1.0 / n)
-
-    def add(w, acc):
-        return acc + _pm(signs[w].astype(bool)) * (scales[w] * inv_n)
-
-    zero = comm.to_varying(jnp.zeros((chunk,), jnp.float32), axis_name)  # the rows are per-worker
-    c = jax.lax.fori_loop(0, n, add, zero) + error
-    scale = _scale(c)
-    neg = _sign_bits(c)
-    return [jnp.packbits(neg), scale], c - scale * _pm(neg)
-
-
-def _compressed_allreduce(
-    ms: list[jax.Array], worker_errors: tuple, server_errors: tuple, n: int, axis_name: base.AxisName
-) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-    """The two-sided error-feedback all-reduce of every leaf: one all-to-all, one all-gather."""
-    rows, new_we = [], []
-    for m, e in zip(ms, worker_errors):
-        r, e = _worker_side(m, e, n)
-        rows.append(r)
-        new_we.append(e)
-    widths = [r.shape[1] for r in rows]
-    received = comm.all_to_all(jnp.concatenate(rows, axis=1), axis_name, caller="onebit_adam")
-    payload, new_se, offset = [], [], 0
-    for w, e in zip(widths, server_errors):
-        msg, e = _server_side(received[:, offset : offset + w], e, n, axis_name)
-        payload += msg
-        new_se.append(e)
-        offset += w
-    gathered = comm.all_gather_packed(payload, axis_name, caller="onebit_adam")
-    out = []
-    for j, m in enumerate(ms):
-        bits, scales = gathered[2 * j], gathered[2 * j + 1]  # (n, chunk / 8), (n,)
-        chunk = bits.shape[1] * 8
-        signs = _pm(jnp.unpackbits(bits, axis=1, count=chunk).astype(bool))
-        out.append((signs * scales[:, None]).reshape(-1)[: m.size].reshape(m.shape))
-    return out, new_we, new_se
 
 
 def onebit_adam(
@@ -292,7 +215,7 @@ def onebit_adam(
             if n == 1:  # nothing to exchange (DeepSpeed skips the compressed all-reduce too)
                 local = comm.pmean(local, axis_name, caller="onebit_adam")  # a no-op: types it replicated
                 return local, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
-            mu, we, se = _compressed_allreduce(local, we, se, n, axis_name)
+            mu, we, se = error_feedback.onebit_allreduce(local, we, se, n, axis_name, caller="onebit_adam")
             return mu, nu, comm.to_varying(tuple(we), axis_name), comm.to_varying(tuple(se), axis_name)
 
         mu, nu, we, se = jax.lax.cond(
