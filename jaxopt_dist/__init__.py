@@ -23,6 +23,7 @@ from jaxopt_dist._src.base import DEFAULT_AXIS_NAME, AxisName
 from jaxopt_dist._src.choco import ChocoGossipState, choco_gossip
 from jaxopt_dist._src.comm import AlreadyReducedError, Platform, UnboundAxisError, use_platform
 from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
+from jaxopt_dist._src.desloc import DesLocAdamState, desloc_adam
 from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackState, error_feedback
@@ -91,6 +92,7 @@ __all__ = (
     "DataParallelStep",
     "DecoupledMomentumState",
     "DiLoCoState",
+    "DesLocAdamState",
     "DimReduceInfo",
     "DimReduceState",
     "DynamicLossScaleState",
@@ -126,6 +128,7 @@ __all__ = (
     "compressed_leaves",
     "data_parallel_step",
     "decoupled_momentum",
+    "desloc_adam",
     "diloco",
     "diloco_fragments",
     "dim_reduce",

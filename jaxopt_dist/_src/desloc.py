@@ -165,8 +165,8 @@ def desloc_adam(
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from jaxopt_dist._src.desloc import desloc_adam
-      >>> tx = desloc_adam(0.1, sync_every=2, momentum_sync_every=2, variance_sync_every=4)
+      >>> import jaxopt_dist as jd
+      >>> tx = jd.desloc_adam(0.1, sync_every=2, momentum_sync_every=2, variance_sync_every=4)
       >>> params = jnp.zeros((2, 1))                  # two workers' copies
       >>> def step(p, s, g):
       ...     u, s = tx.update(g, s, p)

@@ -308,7 +308,7 @@ DRIFT_MESSAGE = (
     "The optimizer's updates differ between workers, so replicated parameters would drift apart. "
     "Either aggregate in the chain (e.g. optax.chain(jaxopt_dist.all_reduce(), optax.adamw(...)) or "
     "optax.chain(jaxopt_dist.powersgd(rank=2), optax.adamw(...))), or, with data_parallel_step and "
-    "transforms that keep per-worker parameters (average_params, gossip, diloco), pass "
+    "transforms that keep per-worker parameters (average_params, gossip, diloco, desloc_adam), pass "
     "per_worker_params=True."
 )
 """The one error for a transform whose updates would make replicated parameters drift."""
