@@ -73,6 +73,7 @@ from jaxopt_dist._src.training.step import (
     place_params,
 )
 from jaxopt_dist._src.wrappers import mean_value
+from jaxopt_dist._src.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __version__ = "0.1.0"
 
@@ -113,6 +114,7 @@ __all__ = (
     "StepTime",
     "ThresholdState",
     "UnboundAxisError",
+    "ZeroOneAdamState",
     "accumulate",
     "adagrad",
     "adam",
@@ -169,6 +171,7 @@ __all__ = (
     "threshold",
     "top_k",
     "use_platform",
+    "zero_one_adam",
 )
 
 # Old names of renamed classes, kept for one release. They are not in __all__.

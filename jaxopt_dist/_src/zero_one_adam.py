@@ -201,8 +201,8 @@ def zero_one_adam(
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from jaxopt_dist._src.zero_one_adam import zero_one_adam
-      >>> tx = zero_one_adam(0.1, var_freeze_step=1, num_workers=2)
+      >>> import jaxopt_dist as jd
+      >>> tx = jd.zero_one_adam(0.1, var_freeze_step=1, num_workers=2)
       >>> g = jnp.array([[1.0, -2.0], [3.0, -2.0]])  # two workers' gradients
       >>> def three_steps(p, g):
       ...     s = tx.init(p)
