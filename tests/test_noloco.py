@@ -146,6 +146,32 @@ def test_reference_payload_is_bit_exact(backend, n, G):
             helpers.assert_trees_equal(_rows(got, n)[i], want[i])
 
 
+def test_flatten_sends_the_same_bits_in_one_message():
+    n, G, H, T = 8, 4, 2, 3
+    grads, params = _data(n, T, seed=12)
+    params["c"] = np.arange(3).astype(jnp.bfloat16)  # a leaf of another dtype in the same buffer
+    grads["c"] = np.ones((T, n, 3), jnp.bfloat16)
+
+    def make(payload, flatten):
+        return noloco(
+            _inner(), sync_every=H, group_size=G, num_permutations=2, payload=payload, flatten=flatten
+        )
+
+    runs = [
+        helpers.run_steps(
+            make("anchor_and_delta", f), grads, params, backend="shard_map", per_worker_params=True
+        )
+        for f in (False, True)
+    ]
+    helpers.assert_trees_equal(runs[1][1:], runs[0][1:])
+    for payload, copies in (("params", 1), ("anchor_and_delta", 2)):
+        per_leaf, packed = (
+            jd.communication_cost(make(payload, f), params, num_workers=n, steps=H) for f in (False, True)
+        )
+        assert packed.sent_bytes == per_leaf.sent_bytes
+        assert (per_leaf.calls * H, packed.calls * H) == ((G - 1) * copies * len(params), G - 1)
+
+
 def test_group_members_get_the_same_bits():
     """After the first sync (equal anchors, zero momenta) each group's anchors and momenta are
     bit-identical (every member sums in the group's order); groups differ."""
@@ -314,6 +340,7 @@ def test_bad_arguments():
         (dict(outer_lr="fast"), TypeError, "outer_lr"),
         (dict(outer_momentum=1.5), ValueError, "outer_momentum"),
         (dict(payload="both"), ValueError, "payload"),
+        (dict(flatten=1), TypeError, "flatten"),
         (dict(axis_name=["data"]), TypeError, "axis_name"),
     ]:
         with pytest.raises(err, match=match):

@@ -194,6 +194,7 @@ def noloco(
     group_size: int = 2,
     num_permutations: int = 64,
     payload: str = "params",
+    flatten: bool | None = None,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
 ) -> optax.GradientTransformationExtraArgs:
     r"""NoLoCo: local ``inner`` steps; every ``sync_every``, an outer step within a random group.
@@ -216,8 +217,8 @@ def noloco(
     with :math:`\phi_i` its anchor (initially the parameters given to
     ``init``, the same on every worker, then never shared), :math:`m_i` its
     outer momentum (initially 0), :math:`\alpha` = ``outer_lr`` and
-    :math:`\beta` = ``outer_momentum`` (heavy ball, no look-ahead; 0.7 and 0.5
-    as the configurations of the paper's runs). The momentum is computed in
+    :math:`\beta` = ``outer_momentum`` (heavy ball, no look-ahead; the
+    defaults 0.7 and 0.5 are those of the configurations users ran). The momentum is computed in
     the reference's float32 form, ``m += (beta - 1) m + alpha d + alpha (a -
     phi)``, and each group sum runs in the group's order (its first member's
     value first), times ``1/G``, so every member gets the same bits. Since
@@ -228,9 +229,9 @@ def noloco(
     :math:`\theta - \phi` as the reference does (twice the bytes) and
     reproduces its float32 numbers bit for bit (each product is rounded on
     its own, as PyTorch's separate kernels do: no fused multiply-add). Over
-    all workers, the means of
-    :math:`\phi` and :math:`m` move exactly as DiLoCo's anchor and heavy-ball
-    momentum would; each worker only ever hears from its group.
+    all workers, the means of :math:`\phi` and :math:`m` move exactly as
+    DiLoCo's anchor and heavy-ball momentum would; each worker only ever
+    hears from its group.
 
     The groups: a permutation does not depend on data, but a ``ppermute``
     needs its pairs when the update is compiled. The permutations of syncs
@@ -278,7 +279,14 @@ def noloco(
         above).
       payload: ``"params"`` (one copy of the parameters per exchange) or
         ``"anchor_and_delta"`` (the reference's two, bit for bit).
-      axis_name: the mapped axis (or tuple of axes) of the workers.
+      flatten: send all leaves of an exchange as one buffer (one message,
+        bit-exact; what a latency-bound link wants) instead of one
+        ``ppermute`` per leaf. None (default): as :func:`all_reduce`, packed
+        on CPU across processes, per leaf elsewhere. With parameters sharded
+        over model axes the buffer gathers each replica's leaves first: leave
+        it off there.
+      axis_name: the mapped axis (or tuple of axes, the workers numbered
+        row-major over them) of the workers.
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -290,7 +298,8 @@ def noloco(
       (:math:`\theta_i`, in their dtype) to one member of its group, so each
       worker sends and receives ``(G - 1)`` copies of the parameters (``2 (G -
       1)`` with ``payload="anchor_and_delta"``: :math:`\phi_i` and
-      :math:`\theta_i - \phi_i`). No all-reduce, no all-gather, nothing
+      :math:`\theta_i - \phi_i`); one ``ppermute`` per leaf, or one per
+      exchange with ``flatten``. No all-reduce, no all-gather, nothing
       crosses outside a group. Averaged over a period: ``(G - 1) / H`` of
       the parameter bytes per step. Output updates, ``anchor``, ``momentum``
       and ``inner_state`` are per-worker; ``count`` is replicated.
@@ -299,7 +308,8 @@ def noloco(
       Elementwise: anchors and momenta are sharded like the parameters, and
       each ``ppermute`` moves each device's shard to the device holding the
       same shard in the group member's replica; nothing crosses the model
-      axes.
+      axes. With ``flatten=True`` the compiler first gathers each replica's
+      leaves into the one buffer (whole leaves).
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -330,6 +340,8 @@ def noloco(
     base.check_hyperparameter(outer_momentum, "outer_momentum", lower=0.0, upper=1.0)
     if payload not in _PAYLOADS:
         raise ValueError(f"`payload` must be one of {_PAYLOADS}; got {payload!r}.")
+    if flatten is not None:
+        base.check_bool(flatten, "flatten")
     G = group_size
 
     def init_fn(params):
@@ -345,9 +357,17 @@ def noloco(
         routes, table = _plan(num_workers, G, sync_every, num_permutations)
         slot = (sync - 1) % num_permutations
 
+        packed = comm.flatten_by_default() if flatten is None else flatten
+
+        def send(tree, perm):
+            if not packed:
+                return comm.ppermute(tree, axis_name, perm, caller="noloco")
+            leaves, treedef = jax.tree.flatten(tree)
+            return jax.tree.unflatten(treedef, comm.ppermute_packed(leaves, axis_name, perm, caller="noloco"))
+
         def branch(route):
             def run(tree):
-                got = [comm.ppermute(tree, axis_name, perm, caller="noloco") for perm in route.perms]
+                got = [send(tree, perm) for perm in route.perms]
                 rank = jnp.asarray(np.asarray(route.ranks, np.int32))[comm.axis_index(axis_name)]
                 return got, rank
 
