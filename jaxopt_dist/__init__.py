@@ -30,6 +30,7 @@ from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackStat
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
 from jaxopt_dist._src.lowbit import float_grid, low_bit
+from jaxopt_dist._src.noloco import NoLoCoState, noloco, noloco_groups
 from jaxopt_dist._src.onebit_adam import OnebitAdamState, onebit_adam
 from jaxopt_dist._src.optimizers import (
     AdamState,
@@ -102,6 +103,7 @@ __all__ = (
     "HierarchicalState",
     "IterateAverageState",
     "MasterWeightsState",
+    "NoLoCoState",
     "OnebitAdamState",
     "Placement",
     "Platform",
@@ -149,6 +151,8 @@ __all__ = (
     "master_weights",
     "mean_value",
     "mixing_matrix",
+    "noloco",
+    "noloco_groups",
     "onebit_adam",
     "opt_state_placement",
     "opt_state_specs",

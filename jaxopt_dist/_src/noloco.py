@@ -68,8 +68,8 @@ def noloco_groups(num_workers: int, *, group_size: int = 2, step: int) -> list[l
       ``W / G`` lists of ``G`` worker indices.
 
     Examples:
-      >>> from jaxopt_dist._src.noloco import noloco_groups
-      >>> noloco_groups(4, group_size=2, step=50)
+      >>> import jaxopt_dist as jd
+      >>> jd.noloco_groups(4, group_size=2, step=50)
       [[1, 3], [2, 0]]
     """
     num_workers = base.check_positive_int(num_workers, "num_workers")
@@ -313,8 +313,8 @@ def noloco(
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from jaxopt_dist._src.noloco import noloco
-      >>> tx = noloco(optax.sgd(1.0), sync_every=2)   # outer_lr 0.7, momentum 0.5
+      >>> import jaxopt_dist as jd
+      >>> tx = jd.noloco(optax.sgd(1.0), sync_every=2)  # outer_lr 0.7, momentum 0.5
       >>> params = jnp.zeros((2, 1))                  # two workers' copies
       >>> def step(p, s, g):
       ...     u, s = tx.update(g, s, p)
