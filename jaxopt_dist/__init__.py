@@ -55,6 +55,13 @@ from jaxopt_dist._src.precision import (
     master_weights,
 )
 from jaxopt_dist._src.quantize import QSGDState, qsgd, scaled_sign, sign_majority_vote
+from jaxopt_dist._src.sparseloco import (
+    ChunkedTopKState,
+    StatisticalQuantizeState,
+    chunked_top_k,
+    sparseloco,
+    statistical_quantize,
+)
 from jaxopt_dist._src.sparsify import (
     BlockKState,
     RandomKState,
@@ -94,6 +101,7 @@ __all__ = (
     "DataParallelStep",
     "DecoupledMomentumState",
     "DiLoCoState",
+    "ChunkedTopKState",
     "DesLocAdamState",
     "DimReduceInfo",
     "DimReduceState",
@@ -113,6 +121,7 @@ __all__ = (
     "RmspropState",
     "ScaleByAdagradState",
     "ScaleByMomentumState",
+    "StatisticalQuantizeState",
     "StepTime",
     "ThresholdState",
     "UnboundAxisError",
@@ -128,6 +137,7 @@ __all__ = (
     "averaged_params",
     "block_k",
     "choco_gossip",
+    "chunked_top_k",
     "communication_cost",
     "compressed_leaves",
     "data_parallel_step",
@@ -171,7 +181,9 @@ __all__ = (
     "sgd",
     "sign_majority_vote",
     "sign_sgd",
+    "sparseloco",
     "spectral_gap",
+    "statistical_quantize",
     "threshold",
     "top_k",
     "use_platform",

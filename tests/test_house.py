@@ -33,7 +33,10 @@ SRC = ROOT / "_src"
 
 GROUND = {"base", "compat", "comm"}
 # Transform modules that others of the same floor may import: shared pieces, not algorithms.
-SHARED_TRANSFORM_PIECES = {"error_feedback", "selection", "topology"}
+# Modules other transforms may build on: the compressor machinery, selection and
+# topology helpers, and DiLoCo's outer loop (SparseLoCo and MuLoCo are DiLoCo with
+# another outer step and aggregate: composed, not copied).
+SHARED_TRANSFORM_PIECES = {"error_feedback", "selection", "topology", "diloco"}
 MAX_TOOL_FUNCTION_LINES = 80
 
 

@@ -324,8 +324,8 @@ def statistical_quantize(
 
     Examples:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxopt_dist._src.sparseloco import statistical_quantize
-      >>> tx = statistical_quantize(2, requantize_mean=False)
+      >>> import jaxopt_dist as jd
+      >>> tx = jd.statistical_quantize(2, requantize_mean=False)
       >>> g = jnp.array([[1.0, 2.0, 3.0, 10.0], [1.0, 2.0, 3.0, 10.0]])  # two workers
       >>> step = lambda g: tx.update(g, tx.init(g))[0]
       >>> jax.vmap(step, axis_name="data")(g)[0]
@@ -601,8 +601,8 @@ def chunked_top_k(
 
     Examples:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxopt_dist._src.sparseloco import chunked_top_k
-      >>> tx = chunked_top_k(1, chunk=2)       # one of every run of 2 entries
+      >>> import jaxopt_dist as jd
+      >>> tx = jd.chunked_top_k(1, chunk=2)       # one of every run of 2 entries
       >>> g = jnp.array([[1.0, 3.0, -4.0, 0.5], [2.0, 5.0, 0.0, -2.0]])  # two workers
       >>> step = lambda g: tx.update(g, tx.init(g))[0]
       >>> jax.vmap(step, axis_name="data")(g)[0]   # entry 1: both chose it; entry 0: none
@@ -768,8 +768,8 @@ def sparseloco(
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
-      >>> from jaxopt_dist._src.sparseloco import sparseloco
-      >>> tx = sparseloco(optax.sgd(1.0), sync_every=1, topk=1, chunk=2, bits=None)
+      >>> import jaxopt_dist as jd
+      >>> tx = jd.sparseloco(optax.sgd(1.0), sync_every=1, topk=1, chunk=2, bits=None)
       >>> params = jnp.zeros((2, 2))                    # two workers' copies
       >>> def step(p, s, g):
       ...     u, s = tx.update(g, s, p)
