@@ -187,7 +187,7 @@ def stacked(x: Any, n: int, sharding: jax.sharding.NamedSharding) -> jax.Array:
     shape = (n, *row.shape[1:])
     # Each device gets its own block of the row (all of it unless the spec shards model axes too).
     shards = [
-        jax.device_put(row[(slice(None), *idx[1:])], d)
+        jax.device_put(row[(slice(None), *(idx or (slice(None),))[1:])], d)
         for d, idx in sharding.addressable_devices_indices_map(shape).items()
     ]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)

@@ -308,7 +308,7 @@ class DataParallelStep(runner.RunsSteps):
         )
         # With model axes, the outputs keep the inputs' shardings (the compiler could pick others).
         out = (*shardings[:2], jax.sharding.NamedSharding(self.mesh, P()))
-        kw = {"out_shardings": out} if p_model is not None else {}
+        kw: dict[str, Any] = {"out_shardings": out} if p_model is not None else {}
         return jax.jit(fn, donate_argnums=(0, 1) if self.donate else (), **kw), shardings
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
