@@ -1,10 +1,26 @@
-"""DeMo, 1-bit Adam and CHOCO-SGD settings for the low-communication benchmark (not a benchmark).
+"""DeMo, 1-bit Adam, CHOCO-SGD and Frontier II settings for the low-communication benchmark.
 
-``METHODS_B`` maps a method name to ``dict(make=make, per_worker_params=bool)``
-where ``make(total_steps)`` returns the optax transform to train with for that
-many steps (schedules are laid out over them). The settings were tuned on
-the digits MLP of ``_common.py`` (8 workers, 16 examples per worker and
-step) against dense data-parallel AdamW at the same number of steps.
+Not a benchmark. ``METHODS_B`` maps a method name to ``dict(make=make,
+per_worker_params=bool)`` (and optionally ``eval(params, state) -> params``,
+the model to test, and ``cost_steps(total_steps)``, the steps
+``communication_cost`` averages over when the default period is not the
+run's) where ``make(total_steps)`` returns the optax transform to train
+with for that many steps (schedules are laid out over them). The DeMo,
+1-bit Adam and CHOCO settings were tuned on the digits MLP of
+``_common.py`` (8 workers, 16 examples per worker and step) against dense
+data-parallel AdamW at the same number of steps.
+
+The Frontier II rows (SparseLoCo, MuLoCo, NoLoCo, 0/1 Adam, DES-LOC) were
+not tuned: they take bench_lowcomm's AdamW (peak 3e-3, 5% warm-up, cosine
+to a tenth, weight decay 1e-4) and DiLoCo row's ``H = 50`` where they have
+an inner optimizer or a period, and the papers' settings otherwise
+(SparseLoCo: 64 of every 64x64 tile, 2 bits, error decay 0.95, outer SGD
+at 1.0; MuLoCo: Muon inside at 0.02, 2-bit statistical quantization with
+error decay 0.9, outer Nesterov SGD 0.8/0.9; NoLoCo: groups of 2, outer
+0.7/0.5; 0/1 Adam: variance frozen after 15% of the steps, DeepSpeed's
+``var_update_scaler=16``, local-step interval doubling every 32 steps up
+to 16; DES-LOC: ``K_x = 16``, ``K_u = 48``, ``K_v = 96``, no bias
+correction). Both Adams take ``eps = 1e-4`` (see ``EPS_1BIT``).
 
 Run ``python benchmarks/_lowcomm_methods.py`` for that check: it trains dense
 AdamW and each method with the same batches and prints the test accuracy
@@ -25,6 +41,11 @@ import numpy as np
 import optax
 
 import jaxopt_dist as jd
+
+try:
+    from jaxopt_dist import sparseloco, statistical_quantize
+except ImportError:  # not exported yet
+    from jaxopt_dist._src.sparseloco import sparseloco, statistical_quantize
 
 N = _common.N_WORKERS
 
@@ -62,10 +83,96 @@ def make_choco(total_steps: int) -> optax.GradientTransformation:
     )
 
 
+# ----------------------------------------------------------------------------
+# Frontier II: the same inner AdamW and period as bench_lowcomm's DiLoCo row.
+
+H = 50
+
+
+def _adamw(total_steps: int, peak: float = 3e-3) -> optax.GradientTransformation:
+    return optax.adamw(_cosine_to_tenth(peak, total_steps), weight_decay=1e-4)
+
+
+def _cosine_to_tenth(peak: float, total_steps: int) -> optax.Schedule:
+    warmup = max(1, total_steps // 20)
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1), peak / 10)
+
+
+def make_sparseloco(total_steps: int) -> optax.GradientTransformation:
+    # 64 of every 64x64 tile (1.56%), 2-bit codes, error decay 0.95, outer SGD at 1.0.
+    return sparseloco(_adamw(total_steps), sync_every=H, topk=64, chunk=64, bits=2, error_decay=0.95)
+
+
+def make_muloco(total_steps: int) -> optax.GradientTransformation:
+    # Muon on the matrices (Adam at AdamW's rate on the rest), 2-bit whole-leaf codebooks outside.
+    muon = optax.contrib.muon(
+        _cosine_to_tenth(0.02, total_steps),
+        beta=0.9,
+        adam_learning_rate=_cosine_to_tenth(3e-3, total_steps),
+    )
+    return jd.diloco(
+        muon,
+        sync_every=H,
+        outer=optax.sgd(0.8, momentum=0.9, nesterov=True),
+        aggregate=statistical_quantize(2, error_decay=0.9),
+    )
+
+
+def make_noloco(total_steps: int) -> optax.GradientTransformation:
+    # Under vmap every step runs every compiled exchange: a few draws, then they cycle.
+    return jd.noloco(_adamw(total_steps), sync_every=H, num_permutations=4)
+
+
+# Coordinates whose gradient is always 0 (the digits' blank pixels, dead ReLUs) keep v = 0,
+# while a 1-bit message (or a momentum averaged on another period) gives them a step: divided
+# by eps = 1e-8 it blew the CNN up. eps = 1e-4 bounds it.
+EPS_1BIT = 1e-4
+
+
+def make_zero_one_adam(total_steps: int) -> optax.GradientTransformation:
+    return jd.zero_one_adam(
+        _cosine_to_tenth(3e-3, total_steps),
+        var_freeze_step=max(1, total_steps * 15 // 100),
+        num_workers=N,
+        eps=EPS_1BIT,
+        var_update_scaler=16,
+        local_step_scaler=32,
+        local_step_clipper=16,
+    )
+
+
+def make_desloc(total_steps: int) -> optax.GradientTransformation:
+    # The paper's rule: no bias correction (its box shows none).
+    return jd.desloc_adam(
+        _cosine_to_tenth(3e-3, total_steps),
+        sync_every=16,
+        momentum_sync_every=48,
+        variance_sync_every=96,
+        weight_decay=1e-4,
+        eps=EPS_1BIT,
+        bias_correction=False,
+    )
+
+
+def _anchor(params, state):
+    """The DiLoCo anchor (the model every worker agrees on) of worker 0."""
+    del params
+    return jax.tree.map(lambda x: x[0], state.anchor)
+
+
+def _whole_run(total_steps: int) -> int:
+    return total_steps
+
+
 METHODS_B = {
     "demo": dict(make=make_demo, per_worker_params=False),
     "onebit_adam": dict(make=make_onebit_adam, per_worker_params=False),
     "choco_top10%": dict(make=make_choco, per_worker_params=True),
+    "SparseLoCo H=50 64/4096 2-bit": dict(make=make_sparseloco, per_worker_params=True, eval=_anchor),
+    "MuLoCo H=50 2-bit": dict(make=make_muloco, per_worker_params=True, eval=_anchor),
+    "NoLoCo H=50 pairs": dict(make=make_noloco, per_worker_params=True),
+    "0/1 Adam": dict(make=make_zero_one_adam, per_worker_params=True, cost_steps=_whole_run),
+    "DES-LOC Adam 16/48/96": dict(make=make_desloc, per_worker_params=True),
 }
 
 

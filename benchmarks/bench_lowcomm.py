@@ -23,8 +23,11 @@ Columns:
 
 Every method's optimizer comes from the ``METHODS`` table below: a name maps
 to ``dict(make=callable(total_steps) -> tx, per_worker_params=bool)`` (and an
-optional ``eval(params, state) -> params`` picking the model to test).
-DeMo, 1-bit Adam and CHOCO rows come from ``_lowcomm_methods.METHODS_B``.
+optional ``eval(params, state) -> params`` picking the model to test, and
+``cost_steps(total_steps)``: the steps the bytes are averaged over, where
+the default period of ``communication_cost`` is not the run's). DeMo, 1-bit
+Adam, CHOCO and the Frontier II rows (SparseLoCo, MuLoCo, NoLoCo, 0/1 Adam,
+DES-LOC) come from ``_lowcomm_methods.METHODS_B``.
 
 Run: ``python benchmarks/bench_lowcomm.py`` (``--quick`` for a smoke run).
 """
@@ -186,8 +189,9 @@ def train(name: str, model: str, steps: int, seed: int, data) -> float:
 
 
 def cost(name: str, model: str, steps: int) -> jd.CommunicationCost:
-    tx = METHODS[name]["make"](steps)
-    return jd.communication_cost(tx, MODELS[model][0](0), num_workers=N)
+    method = METHODS[name]
+    cost_steps = method["cost_steps"](steps) if "cost_steps" in method else None
+    return jd.communication_cost(method["make"](steps), MODELS[model][0](0), num_workers=N, steps=cost_steps)
 
 
 def _acc(values: list[float]) -> str:

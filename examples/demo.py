@@ -3,7 +3,9 @@
 Every method trains the same model from the same initialisation on the same
 batches, across 8 (simulated) devices, with ``jaxopt_dist.data_parallel_step``.
 The table reports test accuracy, the bytes each worker sends per step (read
-off the traced update by ``jaxopt_dist.communication_cost``), the compression
+off the traced update by ``jaxopt_dist.communication_cost``; averaged over a
+synchronisation period for the methods that communicate only on some steps:
+DiLoCo, SparseLoCo, NoLoCo, DES-LOC...), the compression
 ratio against a dense float32 all-reduce, the measured time per step (and its
 ratio to the dense row's), and the alpha-beta projection of the communication
 time per step at 64 workers on a 10 Gbit/s network. The loss curves are
@@ -42,6 +44,13 @@ import optax  # noqa: E402
 
 import jaxopt_dist as jd  # noqa: E402
 
+try:
+    from jaxopt_dist import sparseloco as _sparseloco  # noqa: E402
+    from jaxopt_dist import statistical_quantize as _statistical_quantize  # noqa: E402
+except ImportError:  # not exported yet
+    from jaxopt_dist._src.sparseloco import sparseloco as _sparseloco  # noqa: E402
+    from jaxopt_dist._src.sparseloco import statistical_quantize as _statistical_quantize  # noqa: E402
+
 
 class MLP(nn.Module):
     hidden: int = 128
@@ -62,11 +71,14 @@ class Method:
       label: what the row does.
       make: builds the transform.
       per_worker_params: the transform keeps one parameter copy per worker
-        (model averaging, gossip); the average of the copies is evaluated.
+        (model averaging, gossip, DiLoCo and the other local-step methods); the
+        average of the copies is evaluated.
       bf16: train bfloat16 parameters (the loss is scaled by the state's loss scale).
       warmup: fraction of the steps run with dense SGD before ``make`` takes over;
         ``make`` then gets the parameter snapshots of the warm-up (DimReduce fits
         its subspace on them).
+      sized: ``make`` takes ``num_workers=`` (the transform pads its buffers for
+        that many workers), and is built again for the 64-worker projection.
     """
 
     label: str
@@ -74,6 +86,7 @@ class Method:
     per_worker_params: bool = False
     bf16: bool = False
     warmup: float = 0.0
+    sized: bool = False
 
 
 LR, MOM = 0.05, 0.9
@@ -168,6 +181,78 @@ def methods() -> dict[str, Method]:
                 )
             ),
             bf16=True,
+        ),
+        **low_communication_methods(sgd),
+    }
+
+
+def low_communication_methods(sgd: Callable[[], optax.GradientTransformation]) -> dict[str, Method]:
+    """The low-communication rows: local steps between syncs, or compressed Adam and momentum."""
+    H = 12  # steps between synchronisations; a multiple of the 3 fragments of Streaming DiLoCo
+    # Coordinates whose gradient is always 0 (blank pixels, dead ReLUs) keep Adam's v at 0, and a
+    # 1-bit message (or a momentum averaged apart from v) still gives them a step: eps bounds it.
+    eps = 1e-4
+    return {
+        "diloco": Method(
+            f"DiLoCo: sgd(momentum) inside, Nesterov outer step every {H} steps",
+            lambda: jd.diloco(sgd(), sync_every=H),
+            per_worker_params=True,
+        ),
+        "streaming_diloco": Method(
+            f"Streaming DiLoCo: 3 fragments, one every {H // 3} steps, 4-bit E3M0 outer gradients",
+            lambda: jd.diloco(sgd(), sync_every=H, num_fragments=3, aggregate=jd.low_bit()),
+            per_worker_params=True,
+        ),
+        "sparseloco": Method(
+            f"SparseLoCo: 64 of every 64x64 tile, 2 bits, error feedback, every {H} steps",
+            lambda: _sparseloco(sgd(), sync_every=H, topk=64, chunk=64, bits=2),
+            per_worker_params=True,
+        ),
+        "muloco": Method(
+            f"MuLoCo: Muon inside, 2-bit statistical quantization, every {H} steps",
+            lambda: jd.diloco(
+                optax.contrib.muon(0.02, beta=0.9, adam_learning_rate=1e-3),
+                sync_every=H,
+                outer=optax.sgd(0.8, momentum=0.9, nesterov=True),
+                aggregate=_statistical_quantize(2, error_decay=0.9),
+            ),
+            per_worker_params=True,
+        ),
+        "noloco": Method(
+            f"NoLoCo: outer step within random pairs every {H} steps, no all-reduce",
+            lambda: jd.noloco(sgd(), sync_every=H),
+            per_worker_params=True,
+        ),
+        "choco": Method(
+            "CHOCO-SGD: gossip of the top 10% of x - x_hat on a ring",
+            lambda: optax.chain(
+                sgd(), jd.choco_gossip(jd.top_k(density=0.1), topology="ring", consensus_step=0.5)
+            ),
+            per_worker_params=True,
+        ),
+        "decoupled_momentum": Method(
+            "DeMo: DCT top-4 of 8x8 tiles of the momentum, sign step (lr 0.01)",
+            lambda: jd.decoupled_momentum(0.01, chunk=8, topk=4),
+        ),
+        "onebit_adam": Method(
+            "1-bit Adam (lr 1e-3), dense for 30 steps",
+            lambda num_workers: jd.onebit_adam(1e-3, freeze_step=30, num_workers=num_workers, eps=eps),
+            sized=True,
+        ),
+        "zero_one_adam": Method(
+            "0/1 Adam (lr 1e-3): variance frozen at step 30, 1-bit syncs up to 16 steps apart",
+            lambda num_workers: jd.zero_one_adam(
+                1e-3, var_freeze_step=30, num_workers=num_workers, eps=eps, local_step_scaler=16
+            ),
+            per_worker_params=True,
+            sized=True,
+        ),
+        "desloc": Method(
+            "DES-LOC Adam (lr 1e-3): params every 8, moments every 24 and 48 steps",
+            lambda: jd.desloc_adam(
+                1e-3, sync_every=8, momentum_sync_every=24, variance_sync_every=48, eps=eps
+            ),
+            per_worker_params=True,
         ),
     }
 
@@ -314,7 +399,10 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
             if ckpt is not None:
                 ckpt.save("warmup", warmup, {"start": start, "snapshots": snapshots}, {"losses": losses})
         times.clear()  # report the time per step of the method itself
-    tx = method.make(snapshots) if warmup else method.make()
+    if method.sized:
+        tx = method.make(num_workers=n)
+    else:
+        tx = method.make(snapshots) if warmup else method.make()
     step = jd.data_parallel_step(
         loss_fn,
         tx,
@@ -343,7 +431,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
     # (cost.compression_ratio compares with a dense all-reduce in the parameters' own dtype).
     dense32 = jd.communication_cost(jd.all_reduce(), jax.tree.map(_as_float32, start), num_workers=n)
     # Trace again at 64 workers: message sizes and rounds of some schemes depend on the count.
-    cost64 = jd.communication_cost(tx, start, num_workers=64)
+    cost64 = jd.communication_cost(method.make(num_workers=64) if method.sized else tx, start, num_workers=64)
     # "auto": ring or recursive doubling per message size, as NCCL and MPI choose (small messages
     # would otherwise pay 2 (n-1) latencies each).
     projected = jd.project_step_time(cost64, bandwidth_gbps=10.0, latency_us=5.0, algorithm="auto")
@@ -417,6 +505,18 @@ FAMILIES = {
         "gossip_exp",
         "adasum",
         "adasum_delta",
+    ),
+    "low communication": (
+        "diloco",
+        "streaming_diloco",
+        "sparseloco",
+        "muloco",
+        "noloco",
+        "choco",
+        "decoupled_momentum",
+        "onebit_adam",
+        "zero_one_adam",
+        "desloc",
     ),
 }
 
