@@ -42,11 +42,6 @@ import optax
 
 import jaxopt_dist as jd
 
-try:
-    from jaxopt_dist import sparseloco, statistical_quantize
-except ImportError:  # not exported yet
-    from jaxopt_dist._src.sparseloco import sparseloco, statistical_quantize
-
 N = _common.N_WORKERS
 
 
@@ -100,7 +95,7 @@ def _cosine_to_tenth(peak: float, total_steps: int) -> optax.Schedule:
 
 def make_sparseloco(total_steps: int) -> optax.GradientTransformation:
     # 64 of every 64x64 tile (1.56%), 2-bit codes, error decay 0.95, outer SGD at 1.0.
-    return sparseloco(_adamw(total_steps), sync_every=H, topk=64, chunk=64, bits=2, error_decay=0.95)
+    return jd.sparseloco(_adamw(total_steps), sync_every=H, topk=64, chunk=64, bits=2, error_decay=0.95)
 
 
 def make_muloco(total_steps: int) -> optax.GradientTransformation:
@@ -114,7 +109,7 @@ def make_muloco(total_steps: int) -> optax.GradientTransformation:
         muon,
         sync_every=H,
         outer=optax.sgd(0.8, momentum=0.9, nesterov=True),
-        aggregate=statistical_quantize(2, error_decay=0.9),
+        aggregate=jd.statistical_quantize(2, error_decay=0.9),
     )
 
 

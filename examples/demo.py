@@ -44,13 +44,6 @@ import optax  # noqa: E402
 
 import jaxopt_dist as jd  # noqa: E402
 
-try:
-    from jaxopt_dist import sparseloco as _sparseloco  # noqa: E402
-    from jaxopt_dist import statistical_quantize as _statistical_quantize  # noqa: E402
-except ImportError:  # not exported yet
-    from jaxopt_dist._src.sparseloco import sparseloco as _sparseloco  # noqa: E402
-    from jaxopt_dist._src.sparseloco import statistical_quantize as _statistical_quantize  # noqa: E402
-
 
 class MLP(nn.Module):
     hidden: int = 128
@@ -205,7 +198,7 @@ def low_communication_methods(sgd: Callable[[], optax.GradientTransformation]) -
         ),
         "sparseloco": Method(
             f"SparseLoCo: 64 of every 64x64 tile, 2 bits, error feedback, every {H} steps",
-            lambda: _sparseloco(sgd(), sync_every=H, topk=64, chunk=64, bits=2),
+            lambda: jd.sparseloco(sgd(), sync_every=H, topk=64, chunk=64, bits=2),
             per_worker_params=True,
         ),
         "muloco": Method(
@@ -214,7 +207,7 @@ def low_communication_methods(sgd: Callable[[], optax.GradientTransformation]) -
                 optax.contrib.muon(0.02, beta=0.9, adam_learning_rate=1e-3),
                 sync_every=H,
                 outer=optax.sgd(0.8, momentum=0.9, nesterov=True),
-                aggregate=_statistical_quantize(2, error_decay=0.9),
+                aggregate=jd.statistical_quantize(2, error_decay=0.9),
             ),
             per_worker_params=True,
         ),
