@@ -134,4 +134,9 @@ def test_slow_network_compares_dense_and_diloco():
     # Four fragments, 4-bit codes plus scales and padding: well above H, below 8 H.
     assert 12.0 * 4 < methods["streaming_4bit"]["compression_ratio"] < 12.0 * 8
     assert methods["streaming_4bit"]["peak_bytes_per_step"] < methods["diloco"]["peak_bytes_per_step"] / 4
+    outer = s["compressed_outer"]
+    assert set(outer) == {"diloco", "sparseloco", "muloco"}
+    for name in ("sparseloco", "muloco"):
+        assert outer[name]["accuracy"] > 0.2, name
+        assert outer[name]["bytes_per_sync"] < outer["diloco"]["bytes_per_sync"] / 2, name
     assert _images(nb) == 1
