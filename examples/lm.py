@@ -342,6 +342,20 @@ def data_axis_bytes(cost: jd.CommunicationCost) -> tuple[list[float], list[float
     return [on_data(s) for s in cost.steps], [on_data(s) for s in cost.period_steps()]
 
 
+def replica_axis_cost(tx: optax.GradientTransformation, params: Any, settings: Any) -> jd.CommunicationCost:
+    """``tx``'s communication per step over the replica axis, for a run of ``settings.steps`` steps.
+
+    ``communication_cost`` simulates up to 256 steps to find a repeating
+    pattern; a longer period (DiLoCo with ``sync_every`` >= 100) is not found
+    there, and the average over those 256 steps would be off (two syncs in
+    256 steps for H = 100). Then the run's own steps are counted.
+    """
+    cost = jd.communication_cost(tx, params, num_workers=settings.replicas)
+    if cost.step_dependent and len(cost.period) == len(cost.steps) < settings.steps:
+        cost = jd.communication_cost(tx, params, num_workers=settings.replicas, steps=settings.steps)
+    return cost
+
+
 def _axes(axes: Any) -> tuple[Any, ...]:
     return axes if isinstance(axes, tuple) else (axes,)
 
@@ -437,7 +451,7 @@ class Trainer:
             batch_axes=FSDP,
             per_worker_params=self.method.per_worker,
         )
-        self.cost = jd.communication_cost(self.tx, params, num_workers=settings.replicas)
+        self.cost = replica_axis_cost(self.tx, params, settings)
         self.per_step, self.period = data_axis_bytes(self.cost)
         self.num_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
         per_worker = self.method.per_worker
