@@ -1,0 +1,184 @@
+"""Byte-level GPT on the standard library's source: low-communication methods against dense AdamW.
+
+The model, data and training loop are those of ``examples/lm.py`` (imported
+from its path): a GPT-style decoder in Flax NNX with every parameter sharded
+over the ``"fsdp"`` axis, trained with :func:`jaxopt_dist.data_parallel_step`
+on a 2 x 4 mesh (2 replicas, each sharded over 4 devices; 8 simulated CPU
+devices), the batch split over all 8 devices. Every method takes the same
+number of inner steps on the same batches (equal tokens), from the same
+initialisation, for each seed.
+
+Columns:
+
+* ``val bits/byte``: validation loss (next-byte cross-entropy / ln 2) on a
+  fixed set of windows from files never trained on, after the last step,
+  mean over the seeds (min..max). DiLoCo is evaluated at its anchor (the
+  global model; the last step is a synchronisation).
+* ``vs dense``: the method's mean divided by dense AdamW's.
+* ``bytes/step`` and ``peak``: bytes a worker sends over the replica axis per
+  step, averaged over a repeating period (or over the run's steps when the
+  period is longer than ``communication_cost`` simulates), and on the
+  busiest step, from :func:`jaxopt_dist.communication_cost` (read off the
+  traced update).
+* ``less than dense``: dense AdamW's bytes per step divided by the method's.
+* ``memory/device``: bytes of parameters + optimizer state on the fullest
+  device, read off the device buffers after ``init``.
+
+Goals: DiLoCo H=50 within 3% of dense's validation loss at >= 50x fewer
+replica-axis bytes; Streaming DiLoCo (4 fragments, 4-bit) within 3% at
+>= 200x fewer. The hyperparameters are the example's defaults, fixed before
+the run; nothing is tuned on the validation split.
+
+Run: ``python benchmarks/bench_lm.py`` (``--quick`` for a smoke run). The
+full run took 28 to 53 minutes on a shared 2-core machine, depending on its
+load; ``--json PATH`` also writes every run's record (validation curves
+every ``--eval-every`` steps, training losses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+import time
+
+import _common  # first: sets XLA_FLAGS / JAX_PLATFORMS before jax loads
+import numpy as np
+
+
+def import_lm():
+    """examples/lm.py as the module ``lm`` (its model, data and trainer)."""
+    if "lm" in sys.modules:
+        return sys.modules["lm"]
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "lm.py"
+    spec = importlib.util.spec_from_file_location("lm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lm"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+lm = import_lm()
+
+# key -> (row label, the example's --tx, settings that differ from the example's defaults)
+METHODS = {
+    "dense": ("dense AdamW", "dense", {}),
+    "diloco50": ("DiLoCo H=50", "diloco", {"sync_every": 50}),
+    "diloco100": ("DiLoCo H=100", "diloco", {"sync_every": 100}),
+    "streaming": ("Streaming DiLoCo F=4 H=100, 4-bit", "streaming_diloco", {"sync_every": 100}),
+    "powersgd": ("PowerSGD rank 4", "powersgd", {"rank": 4}),
+    "demo": ("DeMo (64x64 DCT tiles, top 32)", "demo", {}),
+}
+QUICK_H = {50: 4, 100: 8}  # --quick: the same methods with short periods
+
+
+def settings_for(base: argparse.Namespace, overrides: dict, quick: bool) -> argparse.Namespace:
+    if quick and "sync_every" in overrides:
+        overrides = {**overrides, "sync_every": QUICK_H[overrides["sync_every"]]}
+    return argparse.Namespace(**{**vars(base), **overrides})
+
+
+def _spread(values: list[float]) -> str:
+    return f"{np.mean(values):.4f} ({min(values):.4f}..{max(values):.4f})"
+
+
+def main(argv=None) -> int:
+    ap = _common.parser(__doc__)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=96)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16, help="windows per step over all 8 devices")
+    ap.add_argument("--eval-windows", type=int, default=256)
+    ap.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
+    ap.add_argument("--json", default=None, help="also write every run's record (curves included) here")
+    ap.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}"
+    )
+    args = ap.parse_args(argv)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := [m for m in names if m not in METHODS]:
+        ap.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    if args.quick:
+        args.steps, args.seeds, args.dim, args.depth, args.context, args.batch = 16, 1, 32, 2, 32, 8
+        args.eval_windows, args.eval_every = 16, 8
+    base = lm.parser().parse_args(
+        [
+            *("--steps", str(args.steps), "--dim", str(args.dim), "--depth", str(args.depth)),
+            *("--context", str(args.context), "--batch", str(args.batch)),
+            *("--eval-every", str(args.eval_every), "--eval-windows", str(args.eval_windows)),
+            *("--warmup", str(max(1, args.steps // 20))),
+        ]
+    )
+    cfg = lm.config(base)
+    corpus = lm.load_corpus(val_fraction=base.val_fraction)
+    t0 = time.time()
+    rows = {}
+    for name in names:
+        _, tx_name, overrides = METHODS[name]
+        trainer = lm.Trainer(tx_name, cfg, settings_for(base, overrides, args.quick))
+        runs = [trainer.run(corpus, seed=seed, progress=False) for seed in range(args.seeds)]
+        rows[name] = runs
+        bpb = [r["evals"][-1]["val_bpb"] for r in runs]
+        print(f"  {METHODS[name][0]}: {_spread(bpb)} bits/byte ({time.time() - t0:.0f} s)", flush=True)
+
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    first = next(iter(rows.values()))[0]
+    print(
+        f"\nbyte-level GPT, {first['params']:,} parameters (dim {cfg.dim}, {cfg.depth} blocks, {cfg.heads} heads, "
+        f"context {cfg.context}, tied embeddings, learned positions); mesh 2 replicas x 4 fsdp (8 CPU devices); "
+        f"{args.steps} steps of {args.batch} windows ({args.steps * args.batch * cfg.context:,} "
+        f"training bytes); AdamW peak lr {base.lr}, warm-up {base.warmup}, cosine to lr/10; "
+        f"{len(corpus.train_files)} training / {len(corpus.val_files)} validation files, "
+        f"{args.eval_windows} validation windows; {args.seeds} seed(s); {time.time() - t0:.0f} s in all"
+    )
+    if args.quick:
+        print(f"(--quick: the rows' H=50 and H=100 are H={QUICK_H[50]} and H={QUICK_H[100]})")
+    print()
+    columns = [
+        "method",
+        "val bits/byte",
+        "vs dense",
+        "bytes/step",
+        "peak",
+        "less than dense",
+        "memory/device",
+    ]
+    print(_common.markdown_header(columns, "lrrrrrr"))
+    dense = rows.get("dense")
+    dense_bpb = np.mean([r["evals"][-1]["val_bpb"] for r in dense]) if dense else math.nan
+    summary = {}
+    for name, runs in rows.items():
+        r = runs[0]
+        bpb = [x["evals"][-1]["val_bpb"] for x in runs]
+        ratio = np.mean(bpb) / dense_bpb
+        less = r["dense_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else math.inf
+        summary[name] = (ratio, less)
+        cells = [
+            _spread(bpb),
+            f"{ratio:.3f}",
+            _common.fmt_bytes(r["bytes_per_step"]),
+            _common.fmt_bytes(r["peak_bytes_per_step"]),
+            f"{less:.4g}x",
+            _common.fmt_bytes(r["per_device_bytes"]),
+        ]
+        print(_common.markdown_row([METHODS[name][0], *cells]))
+    print()
+    for name, need_less in {"diloco50": 50, "streaming": 200}.items():
+        if name in summary and dense:
+            ratio, less = summary[name]
+            met = ratio <= 1.03 and less >= need_less
+            print(
+                f"goal {METHODS[name][0]}: within 3% of dense ({100 * (ratio - 1):+.1f}%) at >= {need_less}x fewer bytes "
+                f"({less:.4g}x): {'met' if met else 'NOT met'}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
