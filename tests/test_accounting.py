@@ -562,3 +562,19 @@ def test_platform_none_keeps_the_facts_in_force():
     with jd.use_platform(jd.Platform("cpu", multi_process=True)):
         packed = communication_cost(jd.all_reduce(), params, num_workers=N)
     assert [op for c in packed.sites for op in c.operands] == [((18,), "float32")]
+
+
+@pytest.mark.parametrize("every", [100, 500])
+def test_periods_longer_than_the_first_window_are_found(every):
+    """A sync period past the first 256 steps: simulated further, not misread (as 128x or 0 bytes)."""
+    cost = jd.communication_cost(jd.average_params(every=every), PARAMS, num_workers=4)
+    dense = jd.communication_cost(jd.all_reduce(), PARAMS, num_workers=4)
+    assert cost.sent_bytes == pytest.approx(dense.sent_bytes / every)
+    assert any(f"repeats every {every} step(s)" in n for n in cost.notes)
+
+
+def test_a_period_beyond_the_simulation_is_an_error():
+    with pytest.raises(ValueError, match="Pass `steps=`"):
+        jd.communication_cost(jd.average_params(every=5000), PARAMS, num_workers=4)
+    cost = jd.communication_cost(jd.average_params(every=5000), PARAMS, num_workers=4, steps=5000)
+    assert cost.sent_bytes > 0

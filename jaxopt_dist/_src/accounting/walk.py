@@ -40,6 +40,7 @@ from jaxopt_dist._src.accounting.costs import Collective, CommunicationCost, Ste
 
 _SMALL = 16  # non-float state leaves (and values) of at most this many elements are simulated
 _AUTO_STEPS = 256  # steps simulated by steps=None when the cost depends on the step
+_MAX_AUTO_STEPS = 2048  # ... doubled up to this while no period shows
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -351,9 +352,22 @@ def _simulate(
         if t >= start:
             sim.record(t, found, walker)
         t += 1
-        if steps is None and t == horizon and sim.step_dependent and horizon < start + _AUTO_STEPS:
-            horizon = start + _AUTO_STEPS
+        if steps is None and t == horizon and sim.step_dependent:
+            horizon = _next_horizon(sim, start, horizon)
     return sim
+
+
+def _next_horizon(sim: _Simulation, start: int, horizon: int) -> int:
+    """How far a ``steps=None`` simulation of a step-dependent cost goes: 256 steps, doubled
+    (up to 2048) while no repeating pattern shows, or while no simulated step communicated
+    (a sync period longer than the window would otherwise read as zero bytes)."""
+    if horizon < start + _AUTO_STEPS:
+        return start + _AUTO_STEPS
+    sigs = [s.signature for s in sim.evaluated]
+    silent = not any(s.collectives for s in sim.evaluated)
+    if horizon - start < _MAX_AUTO_STEPS and (silent or _find_period(sigs, len(sigs) // 4) is None):
+        return start + 2 * (horizon - start)
+    return horizon
 
 
 def _find_period(sigs: list[Any], max_period: int) -> tuple[int, int] | None:
@@ -375,6 +389,12 @@ def _averaging_period(sim: _Simulation, steps: int | None) -> tuple[int, ...]:
     if steps is not None or len(evaluated) <= 1:
         return period
     sigs = [s.signature for s in evaluated]
+    if sim.step_dependent and not any(s.collectives for s in evaluated):
+        raise ValueError(
+            f"The communication depends on the step, but none of the {len(sigs)} steps simulated from "
+            f"step {evaluated[0].step} communicates (a sync period longer than that?). Pass `steps=` "
+            "(a whole number of periods, e.g. steps=sync_every) to count them."
+        )
     found_period = _find_period(sigs, len(sigs) // 4)
     if found_period is None:
         sim.notes.append(f"no repeating pattern within {len(sigs)} steps: averaged over all of them")
