@@ -23,6 +23,7 @@ QUICK = {
     "bench_dimreduce": ["--quick"],
     "bench_gossip": ["--quick"],
     "bench_hierarchical": ["--memory-only", "--quick"],
+    "bench_lm": ["--quick"],
     "bench_lowcomm": ["--quick"],
     "bench_overhead": ["--quick"],
     "multihost_sum_order": [],
