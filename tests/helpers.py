@@ -435,6 +435,37 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def check_bf16_contract(tx: Any, params: Any, *, steps: int, workers: int = 2, replicated: bool = False):
+    """The optax contract on bf16 params under ``vmap``: ``eval_shape`` init, unknown extra args,
+    one compilation over ``steps`` steps, updates in the params' dtypes, state dtypes stable.
+
+    Returns the final ``(state, params)`` (stacked); ``replicated``: updates bit-identical on workers.
+    """
+    abstract = jax.eval_shape(tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+    assert jax.tree.structure(abstract) == jax.tree.structure(tx.init(params))
+    traces = []
+
+    def step(g, s, p):
+        traces.append(1)
+        u, s = tx.update(g, s, p, unknown_extra=jnp.ones(()), another=None)
+        return u, s, optax.apply_updates(p, u)
+
+    run = jax.jit(jax.vmap(step, axis_name="data"))
+    p = jax.tree.map(lambda x: jnp.stack([x] * workers), params)
+    s = jax.vmap(tx.init)(p)
+    dtypes = jax.tree.map(lambda x: x.dtype, s)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16), p)
+        u, s, p = run(g, s, p)
+        assert_dtypes_equal(u, p)
+        if replicated:
+            assert_replicas_equal(u)
+        assert jax.tree.map(lambda x: x.dtype, s) == dtypes
+    assert len(traces) == 1
+    return s, p
+
+
 def grads_seq(seed: int, T: int, n: int, shapes: dict[str, tuple[int, ...]], *, zeros: bool = False) -> dict:
     """Random float32 gradients shaped ``(T, n, *shape)``; ``zeros`` blanks about 20% of entries."""
     rng = np.random.default_rng(seed)

@@ -740,27 +740,7 @@ def test_optax_contract(name):
     """No recompilation, unknown extra args, abstract init, bf16 dtypes stable through a chain."""
     params = {"w": jnp.ones((4, 8), jnp.bfloat16), "b": jnp.zeros((8,), jnp.bfloat16)}
     tx = optax.chain(CONTRACT[name](), optax.sgd(0.1))
-    abstract = jax.eval_shape(tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
-    assert jax.tree.structure(abstract) == jax.tree.structure(tx.init(params))
-    traces = []
-
-    def step(g, s, p):
-        traces.append(1)
-        u, s = tx.update(g, s, p, unknown_extra=jnp.ones(()), another=None)
-        return u, s, optax.apply_updates(p, u)
-
-    run = jax.jit(jax.vmap(step, axis_name="data"))
-    p = jax.tree.map(lambda x: jnp.stack([x, x]), params)
-    s = jax.vmap(tx.init)(p)
-    dtypes = jax.tree.map(lambda x: x.dtype, s)
-    rng = np.random.default_rng(0)
-    for _ in range(4):
-        g = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), jnp.bfloat16), p)
-        u, s, p = run(g, s, p)
-        helpers.assert_dtypes_equal(u, p)
-        helpers.assert_replicas_equal(u)
-        assert jax.tree.map(lambda x: x.dtype, s) == dtypes
-    assert len(traces) == 1
+    s, p = helpers.check_bf16_contract(tx, params, steps=4, replicated=True)
 
 
 def test_inject_hyperparams():
