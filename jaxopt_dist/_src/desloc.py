@@ -133,7 +133,12 @@ def desloc_adam(
       b1: :math:`\beta_1` in [0, 1); float or schedule (the paper: 0.95).
       b2: :math:`\beta_2` in [0, 1); float or schedule (the paper: 0.95).
       eps: :math:`\epsilon > 0` (inside the square root as
-        :math:`\epsilon^2`); float or schedule.
+        :math:`\epsilon^2`); float or schedule. Take it larger than Adam's
+        usual ``1e-8`` (``1e-4`` in the benchmarks) when some coordinates
+        see gradients on some workers only (dead ReLUs, unused embedding
+        rows): a synced first moment then reaches a worker whose own second
+        moment is still zero until the next variance sync, and its step is
+        of the order of :math:`u / \epsilon`.
       weight_decay: :math:`\lambda \ge 0`, decoupled; float or schedule.
       bias_correction: apply Adam's bias-correction factors (see above).
         Off by default.

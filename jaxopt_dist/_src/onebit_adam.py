@@ -108,6 +108,12 @@ def onebit_adam(
       b1: :math:`\beta_1` in [0, 1); float or schedule.
       b2: :math:`\beta_2` in [0, 1); float or schedule.
       eps: :math:`\epsilon > 0`, added to :math:`\sqrt v`; float or schedule.
+        Take it larger than Adam's usual ``1e-8`` (``1e-4`` in the
+        benchmarks): a coordinate whose gradient is always zero (blank input
+        pixels, dead ReLUs, unused embedding rows) has :math:`v = 0` at the
+        freeze, while the 1-bit message (sign times a scale of the whole
+        leaf, plus error feedback) gives it a nonzero momentum, so its step
+        is of the order of scale / ``eps``: with ``1e-8`` it diverges.
       weight_decay: :math:`\lambda \ge 0` (L2 added to the Adam direction, as
         DeepSpeed); float or schedule. Needs ``params`` when not zero.
       bias_correction: divide :math:`m` by :math:`1 - \beta_1^t` and :math:`v`

@@ -161,6 +161,11 @@ def zero_one_adam(
       b1: :math:`\beta_1` in [0, 1); float or schedule.
       b2: :math:`\beta_2` in [0, 1); float or schedule.
       eps: :math:`\epsilon > 0`, added to :math:`\sqrt v`; float or schedule.
+        Take it larger than Adam's usual ``1e-8`` (``1e-4`` in the
+        benchmarks): a coordinate whose gradient is always zero (blank input
+        pixels, dead ReLUs, unused embedding rows) keeps :math:`v = 0`,
+        while the 1-bit sync gives it a nonzero momentum, so its step is of
+        the order of scale / ``eps``: with ``1e-8`` it diverges.
       weight_decay: :math:`\lambda \ge 0` (L2 added to the Adam direction, as
         DeepSpeed); float or schedule. Needs ``params`` when not zero.
       var_update_scaler: variance updates between doublings of
