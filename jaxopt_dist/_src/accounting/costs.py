@@ -254,7 +254,7 @@ class CommunicationCost:
 
     @property
     def axis_size(self) -> int:
-        """Deprecated: the same value as :attr:`num_workers`."""
+        """Deprecated; the same value as :attr:`num_workers`."""
         base.warn_renamed("CommunicationCost.axis_size", "num_workers")
         return self.num_workers
 

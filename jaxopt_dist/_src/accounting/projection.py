@@ -141,7 +141,7 @@ class StepTime(float):
 
     @property
     def workers(self) -> int:
-        """Deprecated: the same value as :attr:`num_workers`."""
+        """Deprecated; the same value as :attr:`num_workers`."""
         base.warn_renamed("StepTime.workers", "num_workers")
         return self.num_workers
 
