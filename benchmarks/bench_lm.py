@@ -71,6 +71,12 @@ METHODS = {
     "streaming": ("Streaming DiLoCo F=4 H=100, 4-bit", "streaming_diloco", {"sync_every": 100}),
     "powersgd": ("PowerSGD rank 4", "powersgd", {"rank": 4}),
     "demo": ("DeMo (64x64 DCT tiles, top 32)", "demo", {}),
+    # Frontier II (the example's settings; see examples/lm.py's TXS).
+    "sparseloco50": ("SparseLoCo H=50, 64/4096, 2-bit", "sparseloco", {"sync_every": 50}),
+    "muloco50": ("MuLoCo H=50, 2-bit", "muloco", {"sync_every": 50}),
+    "noloco50": ("NoLoCo H=50, pairs", "noloco", {"sync_every": 50}),
+    "zero_one_adam": ("0/1 Adam", "zero_one_adam", {}),
+    "desloc": ("DES-LOC Adam 16/48/96", "desloc", {}),
 }
 QUICK_H = {50: 4, 100: 8}  # --quick: the same methods with short periods
 

@@ -287,6 +287,65 @@ def _streaming(settings: Any) -> optax.GradientTransformation:
     )
 
 
+def _muon_matrices(params: Any) -> Any:
+    """Muon's dimension numbers for the blocks' matrices; ``None`` (Adam) for embeddings and vectors."""
+
+    def spec(path: tuple, x: Any) -> Any:
+        names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+        hidden = x.ndim == 2 and not names & {"embed", "pos", "head"}
+        return optax.contrib.MuonDimensionNumbers() if hidden else None
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _muloco(settings: Any) -> optax.GradientTransformation:
+    muon = optax.contrib.muon(
+        schedule(settings.muon_lr, settings),
+        beta=0.9,
+        weight_decay=settings.weight_decay,
+        adam_b2=0.95,
+        adam_weight_decay=settings.weight_decay,
+        adam_learning_rate=schedule(settings.lr, settings),
+        muon_weight_dimension_numbers=_muon_matrices,
+    )
+    return jd.diloco(
+        muon,
+        sync_every=settings.sync_every,
+        outer=outer(settings),
+        aggregate=jd.statistical_quantize(2, error_decay=0.9),
+    )
+
+
+# Adam variants that compress their own messages: eps 1e-4, as their docstrings advise (coordinates
+# whose gradient is always zero, such as the embedding rows of bytes that never occur, would divide by it).
+_EPS_COMPRESSED_ADAM = 1e-4
+
+
+def _zero_one_adam(settings: Any) -> optax.GradientTransformation:
+    return jd.zero_one_adam(
+        schedule(settings.lr, settings),
+        var_freeze_step=max(1, settings.steps * 15 // 100),
+        num_workers=settings.replicas,
+        b2=0.95,
+        eps=_EPS_COMPRESSED_ADAM,
+        var_update_scaler=16,
+        local_step_scaler=32,
+        local_step_clipper=16,
+    )
+
+
+def _desloc(settings: Any) -> optax.GradientTransformation:
+    return jd.desloc_adam(
+        schedule(settings.lr, settings),
+        sync_every=16,
+        momentum_sync_every=48,
+        variance_sync_every=96,
+        b2=0.95,
+        eps=_EPS_COMPRESSED_ADAM,
+        weight_decay=settings.weight_decay,
+    )
+
+
 TXS: dict[str, Method] = {
     "dense": Method(
         lambda s: optax.chain(jd.all_reduce(), adamw(s)), False, "all-reduce of the gradient, then AdamW"
@@ -311,6 +370,27 @@ TXS: dict[str, Method] = {
         lambda s: optax.chain(jd.top_k(density=s.density), adamw(s)),
         False,
         "top-k (--density) with error feedback, then AdamW",
+    ),
+    "sparseloco": Method(
+        lambda s: jd.sparseloco(adamw(s), sync_every=s.sync_every, topk=64, chunk=64, bits=2),
+        True,
+        "SparseLoCo: AdamW inner steps; top-64 of 64x64 tiles, 2-bit, error feedback, outer SGD 1.0",
+    ),
+    "muloco": Method(
+        _muloco,
+        True,
+        "MuLoCo: Muon inner steps (Adam on embeddings and vectors); 2-bit outer step, Nesterov",
+    ),
+    "noloco": Method(
+        lambda s: jd.noloco(adamw(s), sync_every=s.sync_every),
+        True,
+        "NoLoCo: AdamW inner steps; every --sync-every, average with one random peer (no all-reduce)",
+    ),
+    "zero_one_adam": Method(
+        _zero_one_adam, True, "0/1 Adam: variance frozen after 15% of the steps, then 1-bit syncs"
+    ),
+    "desloc": Method(
+        _desloc, True, "DES-LOC Adam: parameters every 16 steps, first moment every 48, second every 96"
     ),
     "local_sgd": Method(
         lambda s: optax.chain(adamw(s), jd.average_params(every=s.sync_every)),
@@ -370,11 +450,13 @@ def cumulative_bytes(per_step: list[float], period: list[float], steps: int) -> 
 
 
 def global_params(params: Any, opt_state: Any, per_worker: bool) -> Any:
-    """The model to evaluate: DiLoCo's anchor, the workers' mean for other per-worker methods, else params."""
+    """The model to evaluate: DiLoCo's global anchor, the workers' mean for other per-worker methods
+    (NoLoCo's anchors are per worker: there is no global model), else params."""
     if not per_worker:
         return params
     anchor = optax.tree_utils.tree_get(opt_state, "anchor")
-    if anchor is not None:
+    stacked = jax.tree.leaves(params)[0].ndim
+    if anchor is not None and jax.tree.leaves(anchor)[0].ndim < stacked:
         return anchor
     return jax.tree.map(lambda x: jnp.mean(x, axis=0), params)
 
@@ -591,6 +673,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-every", type=int, default=50, help="H of diloco, streaming_diloco, local_sgd")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
+    ap.add_argument("--muon-lr", type=float, default=0.02, help="MuLoCo's Muon peak learning rate")
     ap.add_argument("--demo-lr", type=float, default=1e-3, help="DeMo's peak learning rate (sign updates)")
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     ap.add_argument("--density", type=float, default=0.01, help="top_k's fraction of entries sent")

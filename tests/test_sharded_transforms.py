@@ -245,6 +245,42 @@ CASES = [
         per_worker=True,
         slow=True,
     ),
+    # The DiLoCo family and the compressed Adams.
+    _case("chunked_top_k", lambda: optax.chain(jd.chunked_top_k(4, chunk=8, bits=2), _sgd()), slow=True),
+    _case(
+        "sparseloco",
+        lambda: jd.sparseloco(_sgd(), sync_every=2, topk=4, chunk=8, bits=2),
+        per_worker=True,
+    ),
+    _case(  # 16-row tiles across the 8-row shards of w2
+        "sparseloco_tiles_across_shards",
+        lambda: jd.sparseloco(_sgd(), sync_every=2, topk=16, chunk=16, bits=2),
+        per_worker=True,
+        slow=True,
+    ),
+    _case(
+        "muloco",
+        lambda: jd.diloco(
+            optax.contrib.muon(1e-2, adam_learning_rate=1e-2),
+            sync_every=2,
+            outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
+            aggregate=jd.statistical_quantize(2, error_decay=0.9),
+        ),
+        per_worker=True,
+        slow=True,
+    ),
+    _case("noloco", lambda: jd.noloco(_sgd(), sync_every=2), per_worker=True),
+    _case(
+        "zero_one_adam",
+        lambda: jd.zero_one_adam(1e-2, var_freeze_step=2, num_workers=2, eps=1e-4),
+        per_worker=True,
+        slow=True,
+    ),
+    _case(
+        "desloc_adam",
+        lambda: jd.desloc_adam(1e-2, sync_every=2, momentum_sync_every=3, variance_sync_every=4),
+        per_worker=True,
+    ),
 ]
 
 

@@ -493,10 +493,10 @@ def _whole_on_model_axes(tree: Any) -> Any:
     """``tree`` pinned replicated over the model axes the compiler partitions, if any.
 
     Inside :func:`jaxopt_dist.data_parallel_step` with ``param_specs`` (data
-    axes manual, model axes Auto) the selected indices and values would
-    otherwise inherit sub-axis shardings of the tiles, which XLA's SPMD
-    partitioner aborts on once they reach the bit packing. They are a
-    fraction of the leaf and travel whole anyway. A no-op elsewhere (vmap, a
+    axes manual, model axes Auto) the tiles, and the indices and values
+    selected from them, would otherwise inherit sub-axis shardings of the leaf
+    (a tile spanning two shards), which XLA's SPMD partitioner aborts on in
+    the gathers, scatters and the bit packing. A no-op elsewhere (vmap, a
     data-only mesh).
     """
     mesh = jax.sharding.get_abstract_mesh()
@@ -594,10 +594,11 @@ def chunked_top_k(
       Needs whole leaves: top-k runs on the tiles of a leaf's matrix view and
       the codebook is a statistic of all the values a worker selected from the
       leaf, so the compiler assembles tiles and payload over the model axes
-      (the error buffer stays sharded like its parameter; the selected indices
-      and values, a fraction of the leaf, are held whole on every device of
-      the replica). The all-gather above runs over the data axis, per
-      replica; the output is that of replicated parameters.
+      (the error buffer is stored sharded like its parameter; during the
+      update its tiles, and the indices and values selected from them, are
+      held whole on every device of the replica). The all-gather above runs
+      over the data axis, per replica; the output is that of replicated
+      parameters.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -628,7 +629,7 @@ def chunked_top_k(
 
     def select(e, g, lay, spread):
         """(new error, message arrays) of one leaf's corrected buffer ``e``."""
-        t = _to_tiles(e, lay)
+        t = _whole_on_model_axes(_to_tiles(e, lay))
         _, idx = jax.lax.top_k(jnp.abs(t), lay.k)
         values = jnp.take_along_axis(t, idx, axis=1)
         idx, values = _whole_on_model_axes((idx, values))
@@ -640,7 +641,7 @@ def chunked_top_k(
             codes, book = statistical_codes(values.reshape(1, -1), bits, spread)
             message += [_pack_bits(codes, bits), book[0]]
             sent = _decode(book, codes).reshape(values.shape)
-        t = t.at[jnp.arange(lay.tiles)[:, None], idx].add(-sent, unique_indices=True)
+        t = _whole_on_model_axes(t.at[jnp.arange(lay.tiles)[:, None], idx].add(-sent, unique_indices=True))
         return _from_tiles(t, lay, e.shape), message
 
     def receive(gathered, g, e, lay, n):
