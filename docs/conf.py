@@ -19,6 +19,8 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # the checkout's package, installed or not
+# ... in the notebooks' kernels too.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 import jaxopt_dist  # noqa: E402
 
@@ -64,8 +66,22 @@ autosummary_imported_members = True
 autosummary_ignore_module_all = False
 autodoc_typehints = "signature"
 autodoc_member_order = "bysource"
-autodoc_class_signature = "separated"
-autodoc_preserve_defaults = True
+autodoc_class_signature = "mixed"  # a NamedTuple's fields on the class line, no separate __new__
+# Signatures name these aliases instead of spelling out the unions they stand for (and
+# _alias_in_union prints an alias inside a union).
+autodoc_type_aliases = {
+    name: target
+    for target, spellings in {
+        "jaxopt_dist.AxisName": ("AxisName", "base.AxisName"),
+        "optax.ScalarOrSchedule": ("optax.ScalarOrSchedule",),
+        "optax.Schedule": ("optax.Schedule",),
+        "optax.Params": ("optax.Params",),
+        "optax.Updates": ("optax.Updates",),
+        "optax.OptState": ("optax.OptState",),
+        "jax.typing.ArrayLike": ("jax.typing.ArrayLike", "ArrayLike"),
+    }.items()
+    for name in spellings
+}
 autodoc_inherit_docstrings = False
 add_module_names = False
 python_use_unqualified_type_names = True
@@ -91,9 +107,6 @@ def _internal_target(target: str):
     a broken reference (an error with ``-W``).
     """
     import importlib
-    import pkgutil
-
-    import jaxopt_dist._src as src
 
     name = target.lstrip("~.").removeprefix("jaxopt_dist.")
     if "." in name:
@@ -106,8 +119,8 @@ def _internal_target(target: str):
             if hasattr(module, attr):
                 return attr, getattr(module, attr)
         return None
-    for info in pkgutil.walk_packages(src.__path__, "jaxopt_dist._src."):
-        module = importlib.import_module(info.name)
+    for info in _src_modules():
+        module = importlib.import_module(info)
         if name in vars(module):
             return name, vars(module)[name]
     return None
@@ -127,6 +140,41 @@ def _resolve_internal(app, env, node, contnode):
             env, node["refdoc"], app.builder, node["reftype"], f"jaxopt_dist.{name}", node, contnode
         )
     return contnode
+
+
+def _data_docstring(app, what, name, obj, options, lines):
+    """A constant re-exported by ``jaxopt_dist`` gets the docstring written under it in ``_src``.
+
+    (autodoc would show the docstring of its type, ``str`` or ``types.UnionType``.)
+    """
+    from sphinx.pycode import ModuleAnalyzer
+
+    module, _, attr = name.rpartition(".")
+    if what != "data" or module != "jaxopt_dist":
+        return
+    for info in _src_modules():
+        docs = ModuleAnalyzer.for_module(info).find_attr_docs()
+        if ("", attr) in docs:
+            lines[:] = list(docs[("", attr)])
+            return
+
+
+def _src_modules() -> list[str]:
+    import pkgutil
+
+    import jaxopt_dist._src as src
+
+    return [info.name for info in pkgutil.walk_packages(src.__path__, "jaxopt_dist._src.")]
+
+
+def _alias_in_union(app, what, name, obj, options, signature, return_annotation):
+    """``TypeAliasForwardRef('optax.X') | None`` (how Sphinx prints an alias in a union) as ``optax.X | None``."""
+    import re
+
+    def unwrap(text):
+        return text and re.sub(r"TypeAliasForwardRef\('([\w.]+)'\)", r"\1", text)
+
+    return unwrap(signature), unwrap(return_annotation)
 
 
 def _skip_namedtuple_fields(app, what, name, obj, skip, options):
@@ -180,3 +228,5 @@ def setup(app):
     app.connect("config-inited", _copy_notebooks)
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
     app.connect("missing-reference", _resolve_internal)
+    app.connect("autodoc-process-docstring", _data_docstring)
+    app.connect("autodoc-process-signature", _alias_in_union)
