@@ -1,4 +1,4 @@
-"""The house rules of the package, checked on its source (see the README's "Layout").
+"""The house rules of the package, checked on its source (see docs/development.md, "Layout").
 
 * No module imports another module's private (underscored) name.
 * The import graph runs downwards only: the ground floor (``base``, ``compat``,

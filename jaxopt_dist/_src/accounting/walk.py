@@ -441,11 +441,13 @@ def communication_cost(
     * ``steps=None`` (default): the step ``start`` alone when nothing depends
       on the step. Otherwise (a ``cond``/``switch`` picked from the state,
       e.g. ``average_params(every=H)``, PowerSGD's ``start_step`` or
-      ``one_allreduce``) up to 256 steps are simulated and the figures are the
-      average over one period of the repeating tail (the steady state; the
-      warm-up before it is named in ``notes``). A schedule that changes after
-      256 steps (PowerSGD with ``start_step=1000``) needs ``start=`` or
-      ``steps=``.
+      ``one_allreduce``) 256 steps are simulated, doubled up to 2048 while
+      no period shows or nothing was sent (DiLoCo with ``sync_every=500``),
+      and the figures are the average over one period of the repeating tail
+      (the steady state; the warm-up before it is named in ``notes``). A
+      period longer than that is an error asking for ``steps=``; a schedule
+      that changes after the simulated steps (PowerSGD with
+      ``start_step=1000``) needs ``start=`` or ``steps=``.
 
     The state is simulated as ``jaxopt_dist/_src/accounting/walk.py``
     explains: counters and other small replicated leaves are computed step
