@@ -7,6 +7,10 @@ The notebooks live in ``notebooks/`` at the repository root; the build copies
 them into ``docs/notebooks/`` (git-ignored) and myst-nb executes them, so the
 site shows their outputs. The API pages of ``docs/api/generated/`` (git-ignored)
 are written by autosummary from the lists in ``docs/api/*.rst``.
+
+``JAXOPT_DIST_DOCS_EXECUTE`` sets myst-nb's execution mode: ``cache`` by default (outputs kept
+in ``docs/_build/.jupyter_cache`` until a notebook's code changes), ``force``, or ``off`` for a
+quick build without outputs.
 """
 
 from __future__ import annotations
@@ -203,6 +207,9 @@ def _copy_notebooks(app, config=None):
     """Copies notebooks/*.ipynb into docs/notebooks/ (only when changed, so rebuilds stay incremental)."""
     target = DOCS / "notebooks"
     target.mkdir(exist_ok=True)
+    for stale in target.glob("*.ipynb"):
+        if not (NOTEBOOKS / stale.name).exists():
+            stale.unlink()
     for src in sorted(NOTEBOOKS.glob("*.ipynb")):
         dst = target / src.name
         if not dst.exists() or dst.read_bytes() != src.read_bytes():

@@ -278,7 +278,6 @@ def _problems(events: list[dict], base: str) -> list[str]:
     return problems
 
 
-@pytest.mark.slow
 def test_pages_load_without_errors_in_chromium(site, tmp_path):
     base, server_errors = site
     browser = _DevTools(_chromium(), tmp_path / "profile")
