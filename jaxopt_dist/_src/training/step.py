@@ -393,7 +393,7 @@ def data_parallel_step(
         host before a call waits for the oldest. None: unbounded on
         accelerators, 4 on CPU meshes, where XLA:CPU's in-process collectives
         can deadlock when a few dozen steps with collectives are queued.
-      param_specs: for a sharded model, a pytree of ``PartitionSpec``s like the
+      param_specs: for a sharded model, a pytree of ``PartitionSpec``\ s like the
         parameters (or a prefix of it) that names only the *model* axes of
         ``mesh``, e.g. ``P("fsdp", None)`` or ``P(None, "tensor")``. The data
         axes are manual inside the step and the model axes are left to the
