@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 QUICK = {
     "bench_adasum": ["--quick"],
+    "bench_checkpoint": ["--quick"],
     "bench_convergence": ["--quick"],
     "bench_dimreduce": ["--quick"],
     "bench_gossip": ["--quick"],
