@@ -25,7 +25,7 @@ A survivor must not wait for a dead peer forever. Three things end it:
 
 * a killed peer's sockets close, so the survivor's next gloo collective
   fails (``jax.errors.JaxRuntimeError``, "Connection closed by peer"); the
-  driver exits at once with status 3 (measured: 0.2 s after the kill);
+  driver exits at once with status 3 (measured: within 0.4 s of the kill);
 * a peer that is alive but silent (hung, stopped, its host unreachable)
   misses the coordination service's heartbeats: within
   ``--heartbeat-timeout`` seconds (given to ``jax.distributed.initialize``;
