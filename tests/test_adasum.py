@@ -473,10 +473,16 @@ def test_bad_inputs():
 
 # ----------------------------------------------------------------------------
 # Horovod's acceptance cases (orthogonal, parallel, stability, stability_2 of its
-# Adasum tests), re-derived: worker i holds column i of an (N, n) matrix Q
-# rounded to the dtype; the result must match the sum (orthogonal columns) or
-# the mean (parallel columns) of the rounded columns with Horovod's criterion
-# |expected - got| / |expected| / 100 < eps(dtype).
+# Adasum tests) with its draws: one np.random.seed(2) stream, float32 then
+# float16, in the order its tests draw. Worker i holds column i of an (N, n)
+# matrix Q rounded to the dtype; the result must match the sum (orthogonal
+# columns) or the mean (parallel columns) of the rounded columns with Horovod's
+# criterion |expected - got| / |expected| / 100 < eps(dtype). The rounded
+# columns are not exactly orthogonal or parallel, so the exact AdaSum of them
+# misses that expectation by up to 0.64 of the allowance (8 workers, float32,
+# "parallel", 147 entries); the result must also meet the criterion against
+# the exact AdaSum (the float64 reference), which is the error of the
+# implementation alone.
 
 
 def _horovod_close(dtype, expected, got):
@@ -485,37 +491,42 @@ def _horovod_close(dtype, expected, got):
     return ratio < np.finfo(dtype).eps, ratio
 
 
-def _columns(q, dtype):
-    q = np.asarray(q, np.float64).astype(dtype)
-    return q, q.astype(np.float64)
-
-
-def _horovod_case(case, n, dtype, rng):
-    """Returns ``[(per-worker rounded columns (n, N), expected)]``."""
+def _horovod_draws(case, n, rs, dtype):
+    """Horovod's columns ``(N, n)`` of one case and dtype, unrounded, from the stream ``rs``."""
     if case == "orthogonal":
-        out = []
-        for size in (20 * n - 17, 2 * n + 1, n + 2, 2**19):
-            q, _ = np.linalg.qr(rng.normal(0.0, 1.0, (size, n)))
-            q, q64 = _columns(q, dtype)
-            out.append((q.T, q64.sum(axis=1)))
-        return out
+        return [
+            np.linalg.qr(rs.normal(0.0, 1.0, (size, n)))[0] for size in (20 * n - 17, 2 * n + 1, n + 2, 2**19)
+        ]
     if case == "parallel":
-        out = []
-        for size in (20 * n - 13, 2 * n + 1, n + 2, 2**19):
-            q, q64 = _columns(rng.normal(0.0, 1.0, (size, 1)) @ rng.normal(0.0, 1.0, (1, n)), dtype)
-            out.append((q.T, q64.mean(axis=1)))
-        return out
+        return [
+            rs.normal(0.0, 1.0, (size, 1)) @ rs.normal(0.0, 1.0, (n, 1)).T
+            for size in (20 * n - 13, 2 * n + 1, n + 2, 2**19)
+        ]
     info = np.finfo(dtype)
     if case == "stability":  # entries near the smallest normal, many subnormal
-        a = rng.normal(0.0, float(info.tiny), (1024, 1))
-        r = rng.normal(0.0, 1.0, (1, n))
-    else:  # "stability_2": parallel columns from the smallest normal to sqrt(max)
-        lo, hi = float(info.tiny), math.sqrt(float(info.max))
-        a = rng.normal(0.0, 1.0, (1024, 1))
-        r = np.array([hi ** ((i + 1) / n) * lo ** ((n - i - 1) / n) for i in range(n)])[None, :]
-        rng.shuffle(r, axis=1)
-    q, q64 = _columns(a @ r, dtype)
-    return [(q.T, q64.mean(axis=1))]
+        return [rs.normal(0.0, float(info.tiny), (1024, 1)) @ rs.normal(0.0, 1.0, (n, 1)).T]
+    # "stability_2": parallel columns from the smallest normal to sqrt(max), shuffled
+    lo, hi = float(info.tiny), math.sqrt(float(info.max))
+    a = rs.normal(0.0, 1.0, (1024, 1))
+    r = np.array([[hi ** ((i + 1) / n) * lo ** ((n - i - 1) / n)] for i in range(n)])
+    rs.shuffle(r)
+    return [a @ r.T]
+
+
+def _horovod_case(case, n, dtype, *, big=True):
+    """Returns ``[(per-worker rounded columns (n, N), expected)]``; ``big=False`` leaves out the 2**19 rows."""
+    rs = np.random.RandomState(2)
+    for d in (np.float32, np.float16):  # one stream for both dtypes, as Horovod draws them
+        qs = _horovod_draws(case, n, rs, d)
+        if d == dtype:
+            break
+    out = []
+    for q in qs:
+        if q.shape[0] > 2**16 and not big:
+            continue
+        q64 = q.astype(dtype).astype(np.float64)
+        out.append((q64.T.astype(dtype), q64.sum(axis=1) / (1 if case == "orthogonal" else n)))
+    return out
 
 
 HOROVOD_CASES = [
@@ -525,17 +536,38 @@ HOROVOD_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("case", "dtype"), HOROVOD_CASES)
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("method", METHODS)
-def test_horovod_acceptance_cases(case, dtype, n, method):
-    rng = np.random.default_rng(2)
-    run = _vmapped_update(adasum(method=method))
-    for q, expected in _horovod_case(case, n, dtype, rng):
+def _check_horovod_case(run, case, n, dtype, *, big):
+    for q, expected in _horovod_case(case, n, dtype, big=big):
         got = run({"v": q})["v"]
         assert got.dtype == dtype
+        helpers.assert_replicas_equal(got)
         ok, ratio = _horovod_close(dtype, expected, got[0])
-        assert ok, (case, q.shape, ratio)
+        assert ok, (case, q.shape, ratio / np.finfo(dtype).eps)
+        ok, ratio = _horovod_close(dtype, np_adasum_vectors(list(q)), got[0])
+        assert ok, ("against the exact AdaSum", case, q.shape, ratio / np.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize(("case", "dtype"), HOROVOD_CASES)
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", METHODS)
+def test_horovod_acceptance_cases(case, dtype, n, method):
+    _check_horovod_case(_VMAPPED[method], case, n, dtype, big=n < 8)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_horovod_parallel_case_on_8_workers(method):
+    # The hardest case: the 147-entry columns' mean is 1/30 of their norms; float32
+    # dot products, coefficients and pair sums miss the criterion by 1.16x.
+    _check_horovod_case(_VMAPPED[method], "parallel", 8, np.float32, big=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "dtype"), HOROVOD_CASES)
+@pytest.mark.parametrize("method", METHODS)
+def test_horovod_acceptance_cases_big_on_8_workers(case, dtype, method):
+    for q, expected in _horovod_case(case, 8, dtype)[3:]:
+        got = _VMAPPED[method]({"v": q})["v"]
+        assert _horovod_close(dtype, expected, got[0])[0], case
 
 
 @pytest.mark.parametrize(
@@ -543,14 +575,65 @@ def test_horovod_acceptance_cases(case, dtype, n, method):
 )
 @pytest.mark.parametrize("method", METHODS)
 def test_horovod_stability_cases_under_shard_map(case, dtype, method):
-    # The draws of the vmap test (seed 2). Other draws can miss the float16
-    # "stability" criterion: the pair results travel in float16 at subnormal
-    # magnitudes, and columns of opposite signs cancel in the mean.
-    rng = np.random.default_rng(2)
-    ((q, expected),) = _horovod_case(case, 4, dtype, rng)
+    ((q, expected),) = _horovod_case(case, 4, dtype)
     got = helpers.run_transform(adasum(method=method), {"v": q}, backend="shard_map")
     ok, ratio = _horovod_close(dtype, expected, got["v"])
     assert ok, (case, dtype, ratio)
+
+
+# ----------------------------------------------------------------------------
+# The compensated sums and the exact scalings.
+
+
+def _ill_conditioned_dot(n, cond_exp, rng):
+    """float32 ``x, y`` whose dot product is about ``2^-cond_exp`` of ``sum |x_i y_i|`` (Ogita, Rump, Oishi's GenDot)."""
+    half = n // 2
+    e = np.round(rng.uniform(0, cond_exp / 2, half))
+    e[0], e[-1] = cond_exp / 2, 0
+    x = np.zeros(n)
+    y = np.zeros(n)
+    x[:half] = rng.uniform(-1, 1, half) * 2.0**e
+    y[:half] = rng.uniform(-1, 1, half) * 2.0**e
+    x[:half], y[:half] = x[:half].astype(np.float32), y[:half].astype(np.float32)
+    for i, ei in zip(range(half, n), np.round(np.linspace(cond_exp / 2, 0, n - half))):
+        x[i] = np.float32(rng.uniform(-1, 1) * 2.0**ei)
+        y[i] = np.float32((rng.uniform(-1, 1) * 2.0**ei - math.fsum(x[:i] * y[:i])) / x[i])
+    perm = rng.permutation(n)
+    return x[perm].astype(np.float32), y[perm].astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (8, 125), (3, 7)])
+def test_compensated_dots_against_float64(shape):
+    from jaxopt_dist._src import adasum as impl
+
+    rng = np.random.default_rng(0)
+    n = math.prod(shape)
+    for cond_exp in (0, 24, 48):
+        x, y = _ill_conditioned_dot(n, cond_exp, rng)
+        got = np.asarray(
+            jax.jit(impl._three_dots)(jnp.asarray(x).reshape(shape), jnp.asarray(y).reshape(shape))
+        )
+        assert got.shape == (2, 3)
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)  # products exact in float64
+        for k, (u, v) in enumerate(((x64, y64), (x64, x64), (y64, y64))):
+            want = math.fsum(u * v)
+            err = abs(float(got[0, k]) + float(got[1, k]) - want)
+            # Dot2's bound: the float32 rounding of a sum of twice the precision.
+            bound = 2.0**-46 * abs(want) + 4 * n * 2.0**-48 * math.fsum(np.abs(u * v))
+            assert err <= bound, (cond_exp, k, err, bound)
+            assert got[0, k] == np.float32(got[0, k] + got[1, k])  # renormalised
+        if cond_exp == 24:  # a plain float32 sum loses most digits
+            want = math.fsum(x64 * y64)
+            err = abs(float(got[0, 0]) + float(got[1, 0]) - want)
+            assert 100 * err < abs(float(np.sum(x * y, dtype=np.float32)) - want) > 1e-4 * abs(want)
+
+
+def test_compensated_dots_of_equal_vectors_agree_bitwise():
+    from jaxopt_dist._src import adasum as impl
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 301)).astype(np.float32))
+    got = np.asarray(jax.jit(impl._three_dots)(x, x))
+    assert got[0, 0] == got[0, 1] == got[0, 2] and got[1, 0] == got[1, 1] == got[1, 2]
 
 
 @pytest.mark.parametrize("e", [-160, -149, -126, -30, 0, 30, 140, 200])

@@ -206,25 +206,23 @@ class _Layout:
         return jax.lax.cond(self.needs_bits(exps), exact, plain, mine, other)
 
     def dots(self, mine: jax.Array, other: jax.Array, first: jax.Array, exps: jax.Array) -> jax.Array:
-        """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, shape ``(3, L)``.
+        """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, as two-floats: shape ``(2, 3, L)``.
 
-        ``a'`` and ``b'`` as in :meth:`_normalized` (exactly, from the bits,
-        where :meth:`needs_bits`); see :func:`_three_dots` for the sums.
+        Row 0 holds the high parts, row 1 the low parts. ``a'`` and ``b'`` as
+        in :meth:`_normalized` (exactly, from the bits, where
+        :meth:`needs_bits`); see :func:`_three_dots` for the sums.
         """
 
-        def stacked(sums):
-            return jnp.stack([jnp.stack(s) for s in zip(*sums)])
-
         def plain(mine, other):  # each leaf by its own scalars: nothing is written out
-            return stacked(
-                [_three_dots(*self._normalized(mine, other, first, exps, i)) for i in range(len(self.cols))]
+            n = len(self.cols)
+            return jnp.stack(
+                [_three_dots(*self._normalized(mine, other, first, exps, i)) for i in range(n)], -1
             )
 
         def exact(mine, other):
             a1, b1 = self._normalized(mine, other, first, exps)
-            return stacked(
-                [_three_dots(a1[:, o : o + c], b1[:, o : o + c]) for o, c in zip(self.offsets, self.cols)]
-            )
+            cols = zip(self.offsets, self.cols)
+            return jnp.stack([_three_dots(a1[:, o : o + c], b1[:, o : o + c]) for o, c in cols], -1)
 
         return self._by_precision(exact, plain, exps, mine, other)
 
@@ -237,73 +235,142 @@ class _Layout:
         pair sum is formed at the scale ``2^-m``, where its largest entries
         are near 1,
 
-        ``A(a, b) 2^-m = (a' - r_a a' 2^(e_b - e_a)) 2^(e_a - m) + (b' - r_b b' 2^(e_a - e_b)) 2^(e_b - m)``
+        ``A(a, b) 2^-m = c_a a' + c_b b'``, with ``c_a = 2^(e_a - m) - r_a 2^(e_b - m)``,
+        ``c_b = 2^(e_b - m) - r_b 2^(e_a - m)`` and ``r = a'.b' / 2|.|^2``
 
-        with ``r = a'.b' / 2|.|^2``, and scaled back by ``2^m`` at the end
-        (where :meth:`needs_bits`, on the bits: a result among the subnormals is rounded
-        once, see :func:`_denormalize`). Every
-        factor stays in range, however far apart the two vectors' magnitudes
-        are; the powers of two below 1 can only flush terms below the
-        precision of the larger vector. In the normal range this is the same
-        arithmetic, rounding for rounding, as the formula unscaled.
+        (the coefficients as two-floats, the sum rounded once, see
+        :func:`_combined`), and scaled back by ``2^m`` at the end (where
+        :meth:`needs_bits`, on the bits: a result among the subnormals is
+        rounded once, see :func:`_denormalize`). Every factor stays in range,
+        however far apart the two vectors' magnitudes are; the powers of two
+        below 1 can only flush terms below the precision of the larger
+        vector. In the normal range the scalings are exact.
         """
-        dot, na, nb = dots[0], dots[1], dots[2]
+        dot, na, nb = dots[:, 0], dots[:, 1], dots[:, 2]
         top = jnp.maximum(exps[0], exps[1])
-        coefs = [  # per leaf: r_a, r_b, 2^(e_a - m), 2^(e_b - m)
-            _half_ratio(dot, na),
-            _half_ratio(dot, nb),
-            _pow2_at_most_one(exps[0] - top, self.compute_dtype),
-            _pow2_at_most_one(exps[1] - top, self.compute_dtype),
-        ]
+        sa = _pow2_at_most_one(exps[0] - top, self.compute_dtype)
+        sb = _pow2_at_most_one(exps[1] - top, self.compute_dtype)
+        # per leaf, two-floats: c_a = 2^(e_a - m) - r_a 2^(e_b - m), c_b = 2^(e_b - m) - r_b 2^(e_a - m)
+        ca = _coefficient(sa, sb, _half_ratio(dot, na))
+        cb = _coefficient(sb, sa, _half_ratio(dot, nb))
 
         def plain(mine, other):
             out = jnp.zeros_like(mine)
             for i, o in enumerate(self.offsets):  # each leaf by its own scalars, written in place
-                y = _combined(*self._normalized(mine, other, first, exps, i), *(v[i] for v in coefs))
+                a1, b1 = self._normalized(mine, other, first, exps, i)
+                y = _combined(a1, b1, (ca[0][i], ca[1][i]), (cb[0][i], cb[1][i]))
                 out = jax.lax.dynamic_update_slice_in_dim(
                     out, _times_pow2(y, top[i]).astype(self.dtype), o, axis=1
                 )
             return out
 
         def exact(mine, other):
-            y = _combined(*self._normalized(mine, other, first, exps), *(self._spread(v) for v in coefs))
+            a1, b1 = self._normalized(mine, other, first, exps)
+            y = _combined(a1, b1, tuple(map(self._spread, ca)), tuple(map(self._spread, cb)))
             return _denormalize(y, self._spread(top)).astype(self.dtype)
 
         return self._by_precision(exact, plain, exps, mine, other)
 
 
-def _combined(a1: jax.Array, b1: jax.Array, ra: Any, rb: Any, sa: Any, sb: Any) -> jax.Array:
-    """``A(a, b) 2^-m`` from the normalised pair and the coefficients (see :meth:`_Layout.combine`)."""
-    return (a1 * sa - (ra * a1) * sb) + (b1 * sb - (rb * b1) * sa)
+def _combined(a1: jax.Array, b1: jax.Array, ca: Any, cb: Any) -> jax.Array:
+    """``A(a, b) 2^-m = c_a a' + c_b b'`` (see :meth:`_Layout.combine`), rounded once.
+
+    ``ca`` and ``cb`` are two-floats ``(hi, lo)``. The products of the high
+    parts are split exactly (:func:`_two_product`), the two summed exactly
+    (:func:`_two_sum`), and the error terms added before the one rounding.
+    """
+    p1, e1 = _two_product(ca[0], a1)
+    p2, e2 = _two_product(cb[0], b1)
+    s, t = _two_sum(p1, p2)
+    return s + (((t + e1) + e2) + (ca[1] * a1 + cb[1] * b1))
+
+
+def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x = hi + lo`` exactly, ``hi`` with the upper half of the significand (12 of float32's 24 bits).
+
+    ``hi`` is ``x`` rounded on its bits (add half of the dropped last place,
+    clear the dropped bits), so ``|lo| <= ulp(hi) / 2`` and products of
+    halves are exact: Dekker's split without the multiplication that a
+    fused multiply-add could contract. For finite normal ``x``.
+    """
+    nmant, _, ut, _ = _bit_layout(x.dtype)
+    drop = (nmant + 2) // 2
+    bits = jax.lax.bitcast_convert_type(x, ut) + ut.type(1 << (drop - 1))
+    hi = jax.lax.bitcast_convert_type(bits & ut.type(~((1 << drop) - 1) & np.iinfo(ut).max), x.dtype)
+    return hi, x - hi
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(s, e)`` with ``s = fl(a + b)`` and ``s + e = a + b`` exactly (Knuth; no multiplications)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def _two_product(x: jax.Array, y: jax.Array, xs: Any = None, ys: Any = None) -> tuple[jax.Array, jax.Array]:
+    """``(p, e)`` with ``p = fl(x y)`` and ``p + e = x y`` exactly (Dekker), splits reusable.
+
+    Every product of halves is exact, so a compiler that fuses a product
+    into a following addition computes the same values.
+    """
+    x1, x2 = _split(x) if xs is None else xs
+    y1, y2 = _split(y) if ys is None else ys
+    p = x * y
+    return p, ((x1 * y1 - p) + x1 * y2 + x2 * y1) + x2 * y2
+
+
+def _two_add(x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
+    """The sum of two two-floats ``(hi, lo)``, not renormalised (the reduction step of :func:`_three_dots`)."""
+    s, t = _two_sum(x[0], y[0])
+    return s, (x[1] + y[1]) + t
+
+
+def _renormalized(s: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(hi, lo)`` with ``hi = fl(s + c)`` and ``hi + lo = s + c`` exactly."""
+    return _two_sum(s, c)
 
 
 _SUM_WIDTH = 32  # entries added in sequence per level of :func:`_three_dots`
 
 
-def _three_dots(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(a.b, a.a, b.b)`` over all entries: reductions with three outputs, a tree of them.
+def _three_dots(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``(a.b, a.a, b.b)`` over all entries as two-floats ``[[hi x3], [lo x3]]``, shape ``(2, 3)``.
 
-    Each level adds groups of ``_SUM_WIDTH`` along the last axis (zero
-    padded), one reduction for all three sums, until one value is left. The
-    three sums share their order, so equal inputs give equal results exactly,
-    and the error grows with ``log n`` as in XLA's own tree of partial sums.
-    The products are formed inside the first level: on CPU, one sum over
-    stacked products would write the three product arrays out first (about
-    three times slower), and separate sums may be compiled in different orders.
+    Compensated (Ogita, Rump and Oishi's ``Dot2``): every product enters as
+    its exact two-float (:func:`_two_product`), and the partial sums are
+    added as two-floats (:func:`_two_sum` of the high parts, the low parts
+    and the error summed plainly), so the error is that of a float32 sum of
+    about twice the precision: ``|err| <= eps |s| + O(n eps^2) sum |a_i b_i|``,
+    as Horovod's float64 sums. Each level of the tree reduces groups of
+    ``_SUM_WIDTH`` along the last axis (zero padded), one reduction for all
+    six running values, until one is left. The three sums share their order,
+    so equal inputs give equal results exactly. The products are formed
+    inside the first level: on CPU, one sum over stacked products would
+    write the product arrays out first, and separate sums may be compiled
+    in different orders.
     """
     zero = jnp.zeros([], a.dtype)
+    sa, sb = _split(a), _split(b)
 
     def add(x, y):
-        return x[0] + y[0], x[1] + y[1], x[2] + y[2]
+        return tuple(v for k in range(0, 6, 2) for v in _two_add(x[k : k + 2], y[k : k + 2]))
 
-    parts = (a * b, a * a, b * b)
+    parts = (*_two_product(a, b, sa, sb), *_two_product(a, a, sa, sa), *_two_product(b, b, sb, sb))
     while parts[0].shape[-1] > _SUM_WIDTH:
         pad = [(0, 0)] * (parts[0].ndim - 1) + [(0, -parts[0].shape[-1] % _SUM_WIDTH)]
         grouped = tuple(jnp.pad(x, pad).reshape(*x.shape[:-1], -1, _SUM_WIDTH) for x in parts)
         parts = tuple(
-            x.reshape(-1) for x in jax.lax.reduce(grouped, (zero,) * 3, add, (grouped[0].ndim - 1,))
+            x.reshape(-1) for x in jax.lax.reduce(grouped, (zero,) * 6, add, (grouped[0].ndim - 1,))
         )
-    return jax.lax.reduce(parts, (zero,) * 3, add, tuple(range(parts[0].ndim)))
+    sums = jax.lax.reduce(parts, (zero,) * 6, add, tuple(range(parts[0].ndim)))
+    return jnp.stack([jnp.stack(v) for v in zip(*(_renormalized(*sums[k : k + 2]) for k in (0, 2, 4)))])
+
+
+def _sum_two_floats(x: jax.Array) -> jax.Array:
+    """The sum over the leading axis (a power of two long) of two-floats ``x[i] = (hi, lo)``, pairwise, in a fixed order."""
+    while x.shape[0] > 1:
+        x = jnp.stack(_two_add((x[0::2, 0], x[0::2, 1]), (x[1::2, 0], x[1::2, 1])), axis=1)
+    return jnp.stack(_renormalized(x[0, 0], x[0, 1]))
 
 
 def _settle(exps: jax.Array) -> jax.Array:
@@ -402,10 +469,26 @@ def _denormalize(y: jax.Array, e: jax.Array) -> jax.Array:
     return jnp.where(units < float(1 << nmant), tiny, _times_pow2(y, e))
 
 
-def _half_ratio(dot: jax.Array, norm_sq: jax.Array) -> jax.Array:
-    """``dot / (2 |x|^2)``, and 0 for a zero vector (whose term is then the vector itself, zero)."""
-    ok = norm_sq > 0
-    return jnp.where(ok, dot / (2.0 * jnp.where(ok, norm_sq, jnp.ones_like(norm_sq))), jnp.zeros_like(dot))
+def _half_ratio(dot: Any, norm_sq: Any) -> tuple[jax.Array, jax.Array]:
+    """``dot / (2 |x|^2)`` from two-floats ``(hi, lo)``, as a two-float; 0 for a zero vector.
+
+    A two-float division: the quotient of the high parts, then the
+    remainder (exact: :func:`_two_product`, Sterbenz) over the divisor.
+    """
+    ok = norm_sq[0] > 0
+    den = jnp.where(ok, norm_sq[0], jnp.ones_like(norm_sq[0]))
+    q1 = dot[0] / den
+    p, e = _two_product(q1, den)
+    q2 = ((((dot[0] - p) - e) + dot[1]) - q1 * norm_sq[1]) / den
+    hi, lo = _two_sum(q1, q2)
+    zero = jnp.zeros_like(hi)
+    return jnp.where(ok, 0.5 * hi, zero), jnp.where(ok, 0.5 * lo, zero)
+
+
+def _coefficient(own: jax.Array, other: jax.Array, ratio: Any) -> tuple[jax.Array, jax.Array]:
+    """``own - ratio * other`` for powers of two ``own, other <= 1`` and a two-float ratio, as a two-float."""
+    hi, t = _two_sum(own, -(ratio[0] * other))
+    return _two_sum(hi, t - ratio[1] * other)
 
 
 def _select(pred: jax.Array, xs: list[jax.Array], ys: list[jax.Array]) -> list[jax.Array]:
@@ -479,8 +562,19 @@ def _run_tree(
                 [lay.exponents(x, y, low) for lay, x, y in zip(layouts, keep, recv)], axis=1
             )
             exps = [_settle(e) for e in over_group(local, comm.pmax, _NO_EXPONENT)]
+            # The partial dot products (two-floats) travel one slot per worker, so the
+            # psum adds only zeros to them; each group adds its members' in a fixed order.
             partial = [lay.dots(x, y, low, e) for lay, x, y, e in zip(layouts, keep, recv, exps)]
-            dots = over_group(jnp.concatenate(partial, axis=1), comm.psum, 0)  # (3, L) each
+            slots = jnp.where(
+                (jnp.arange(p) == idx)[:, None, None, None], jnp.concatenate(partial, -1)[None], 0.0
+            )
+            width = 1 << (s + 1)
+            members = jax.lax.dynamic_slice_in_dim(
+                comm.psum(slots, axis_name, caller="adasum"),
+                jnp.minimum(group, num_groups - 1) * width,
+                width,
+            )
+            dots = jnp.split(_sum_two_floats(members), splits, axis=-1)  # (2, 3, L) each
             bufs = [lay.combine(x, y, low, d, e) for lay, x, y, d, e in zip(layouts, keep, recv, dots, exps)]
 
     # Every primary worker now holds the result (butterfly: all of it, the
@@ -546,16 +640,26 @@ def adasum(
     result lands among the subnormals), because XLA:CPU flushes subnormal
     float32 operands and results to zero in arithmetic. Dot products are
     taken in at least float32 (the leaf's dtype if wider), also for
-    bfloat16/float16 updates, and the combination is computed in that
-    precision then cast back; vectors travel in the leaf's dtype. A zero
-    vector contributes nothing (the pair sum is the other vector). Outputs
-    are bit-identical on every worker. Horovod's acceptance cases
-    (orthogonal, parallel, stability, stability_2) pass with its criterion
-    in float32 and float16. In ``stability`` the pair results travel in the
-    leaf's dtype at subnormal magnitudes (rounded to the subnormal grid at
-    each level of the tree), so other draws than Horovod's, whose columns
-    nearly cancel in the mean, can miss its criterion (by up to 10x in
-    float32 on 4 and 8 workers).
+    bfloat16/float16 updates, and compensated: each product enters as its
+    exact two-float (Dekker's product, the halves split on the bits) and the
+    sums run as two-floats (Ogita, Rump and Oishi's ``Dot2``), accurate to
+    about twice the working precision, as Horovod's float64 sums; the three
+    sums of a pair share one order. The ratios ``a.b / 2|.|^2`` and the
+    coefficients ``1 - ratio`` are two-floats too, and the pair sum
+    ``c_a a + c_b b`` is formed from exact products and rounded once: one
+    rounding per pair, as Horovod's float64 arithmetic. No float64 is used
+    (nor needed: x64 may stay off), and the compensation is unaffected by a
+    compiler that fuses multiply-adds. The combination is cast back to the
+    leaf's dtype; vectors travel in the leaf's dtype. A zero vector
+    contributes nothing (the pair sum is the other vector). Outputs are
+    bit-identical on every worker. Horovod's acceptance cases (orthogonal,
+    parallel, stability, stability_2, with its draws) pass with its
+    criterion in float32 and float16 on 2, 4 and 8 workers, against the sum
+    or mean it expects and against the exact AdaSum of the rounded inputs.
+    In ``stability`` the pair results travel in the leaf's dtype at
+    subnormal magnitudes (rounded to the subnormal grid at each level of
+    the tree), so draws whose columns nearly cancel in the mean can miss its
+    criterion (by up to 10x in float32 on 4 and 8 workers).
 
     Args:
       axis_name: the mapped axis (or tuple of axes, under shard_map) to
@@ -579,7 +683,9 @@ def adasum(
         ``p`` workers without a partner send to themselves).
       * ``"butterfly"``: ``log2 p`` ppermutes of ``N`` each.
       * ``"halving"``: ``log2 p`` ppermutes of ``N/2, N/4, ..., N/p``,
-        ``log2 p`` psums of ``3 x leaves x p/2**(s+1)`` float32 dot products,
+        ``log2 p`` psums of ``2 x 3 x leaves x p`` float32s (each worker's
+        partial dot products as two-floats, in a slot of its own, so that
+        the sum over a group is formed exactly the same on its members),
         and ``log2 p`` pmaxes of ``2 x leaves x p/2**(s+1)`` int32 exponents
         (the scale of each vector over the rows the group holds).
       * Both: one all-gather in which every worker sends ``N/p`` (receives
