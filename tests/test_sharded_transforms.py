@@ -245,7 +245,7 @@ CASES = [
         per_worker=True,
         slow=True,
     ),
-    # The DiLoCo family and the compressed Adams.
+    # The DiLoCo family and 0/1 Adam (NoLoCo's and DES-LOC's own tests run this check).
     _case("chunked_top_k", lambda: optax.chain(jd.chunked_top_k(4, chunk=8, bits=2), _sgd()), slow=True),
     _case(
         "sparseloco",
@@ -269,17 +269,11 @@ CASES = [
         per_worker=True,
         slow=True,
     ),
-    _case("noloco", lambda: jd.noloco(_sgd(), sync_every=2), per_worker=True),
     _case(
         "zero_one_adam",
         lambda: jd.zero_one_adam(1e-2, var_freeze_step=2, num_workers=2, eps=1e-4),
         per_worker=True,
         slow=True,
-    ),
-    _case(
-        "desloc_adam",
-        lambda: jd.desloc_adam(1e-2, sync_every=2, momentum_sync_every=3, variance_sync_every=4),
-        per_worker=True,
     ),
 ]
 

@@ -175,11 +175,17 @@ def _decayed(beta: Any, e: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.asarray(beta, e.dtype) * e + g.astype(e.dtype)
 
 
-def _per_worker(updates: Any, axis_name: base.AxisName, name: str) -> Any:
-    """The updates, checked to be per-worker (not already summed over the axis)."""
-    return comm.per_worker_share(
+def _worker_leaves(
+    updates: Any, error: Any, axis_name: base.AxisName, name: str
+) -> tuple[int, list[jax.Array], Any, list[Any]]:
+    """``(n, leaves, treedef, error leaves)`` of updates checked to be per-worker (not already
+    summed over the axis), ``n`` the axis size."""
+    n = comm.require_axis(axis_name, name)
+    updates = comm.per_worker_share(
         updates, axis_name, invariant_updates="error", linear=False, caller=name, cast=False
     )
+    leaves, treedef = jax.tree.flatten(updates)
+    return n, leaves, treedef, treedef.flatten_up_to(error)
 
 
 # ----------------------------------------------------------------------------
@@ -354,10 +360,7 @@ def statistical_quantize(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        n = comm.require_axis(axis_name, name)
-        updates = _per_worker(updates, axis_name, name)
-        leaves, treedef = jax.tree.flatten(updates)
-        errors = treedef.flatten_up_to(state.error)
+        n, leaves, treedef, errors = _worker_leaves(updates, state.error, axis_name, name)
         flags = [f and math.prod(g.shape) > 0 for f, g in zip(_mask_flags(mask, updates, name), leaves)]
         beta = base.resolve(error_decay, state.count)
         spread = base.resolve(quantization_range, state.count)
@@ -664,10 +667,7 @@ def chunked_top_k(
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        n = comm.require_axis(axis_name, name)
-        updates = _per_worker(updates, axis_name, name)
-        leaves, treedef = jax.tree.flatten(updates)
-        errors = treedef.flatten_up_to(state.error)
+        n, leaves, treedef, errors = _worker_leaves(updates, state.error, axis_name, name)
         beta = base.resolve(error_decay, state.count)
         spread = base.resolve(quantization_range, state.count)
         lays = [None if g.size == 0 else _tiling(tuple(g.shape), chunk, topk) for g in leaves]
