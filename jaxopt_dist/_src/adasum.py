@@ -325,11 +325,6 @@ def _two_add(x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
     return s, (x[1] + y[1]) + t
 
 
-def _renormalized(s: jax.Array, c: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(hi, lo)`` with ``hi = fl(s + c)`` and ``hi + lo = s + c`` exactly."""
-    return _two_sum(s, c)
-
-
 _SUM_WIDTH = 32  # entries added in sequence per level of :func:`_three_dots`
 
 
@@ -363,14 +358,14 @@ def _three_dots(a: jax.Array, b: jax.Array) -> jax.Array:
             x.reshape(-1) for x in jax.lax.reduce(grouped, (zero,) * 6, add, (grouped[0].ndim - 1,))
         )
     sums = jax.lax.reduce(parts, (zero,) * 6, add, tuple(range(parts[0].ndim)))
-    return jnp.stack([jnp.stack(v) for v in zip(*(_renormalized(*sums[k : k + 2]) for k in (0, 2, 4)))])
+    return jnp.stack([jnp.stack(v) for v in zip(*(_two_sum(*sums[k : k + 2]) for k in (0, 2, 4)))])
 
 
 def _sum_two_floats(x: jax.Array) -> jax.Array:
     """The sum over the leading axis (a power of two long) of two-floats ``x[i] = (hi, lo)``, pairwise, in a fixed order."""
     while x.shape[0] > 1:
         x = jnp.stack(_two_add((x[0::2, 0], x[0::2, 1]), (x[1::2, 0], x[1::2, 1])), axis=1)
-    return jnp.stack(_renormalized(x[0, 0], x[0, 1]))
+    return jnp.stack(_two_sum(x[0, 0], x[0, 1]))
 
 
 def _settle(exps: jax.Array) -> jax.Array:
