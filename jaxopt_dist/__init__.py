@@ -24,7 +24,7 @@ from jaxopt_dist._src.choco import ChocoGossipState, choco_gossip
 from jaxopt_dist._src.comm import AlreadyReducedError, Platform, UnboundAxisError, use_platform
 from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decoupled_momentum
 from jaxopt_dist._src.desloc import DesLocAdamState, desloc_adam
-from jaxopt_dist._src.diloco import DiLoCoState, diloco, diloco_fragments
+from jaxopt_dist._src.diloco import DiLoCoState, DiLoCoTransformation, OuterExchange, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
 from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
@@ -72,6 +72,7 @@ from jaxopt_dist._src.sparsify import (
     top_k,
 )
 from jaxopt_dist._src.training.elastic import reshard_opt_state, reshard_params
+from jaxopt_dist._src.training.overlap import OverlappedStep, overlapped_step
 from jaxopt_dist._src.training.placement import Placement, opt_state_placement, opt_state_specs
 from jaxopt_dist._src.training.step import (
     DataParallelStep,
@@ -99,8 +100,11 @@ __all__ = (
     "CommunicationCost",
     "Compressor",
     "DataParallelStep",
+    "OverlappedStep",
+    "OuterExchange",
     "DecoupledMomentumState",
     "DiLoCoState",
+    "DiLoCoTransformation",
     "ChunkedTopKState",
     "DesLocAdamState",
     "DimReduceInfo",
@@ -141,6 +145,7 @@ __all__ = (
     "communication_cost",
     "compressed_leaves",
     "data_parallel_step",
+    "overlapped_step",
     "decoupled_momentum",
     "desloc_adam",
     "diloco",

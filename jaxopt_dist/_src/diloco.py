@@ -13,7 +13,8 @@ inner steps), and blends the new anchor with the local parameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -41,7 +42,14 @@ class DiLoCoState(NamedTuple):
         residuals are per-worker).
       pending: one list per fragment of the aggregated pseudo-gradient
         waiting ``sync_delay`` steps to be applied; replicated. Empty tuples
-        when ``sync_delay=0``.
+        when ``sync_delay=0`` without ``eager``. With ``eager=True``: the
+        aggregate of the fragment's previous synchronisation.
+      exchanged: one bool[] per fragment with ``overlap=True`` (else
+        ``()``): whether ``pending`` holds the aggregate of ``outbox``
+        (``False`` from a send until :func:`jaxopt_dist.overlapped_step`'s
+        exchange, or the applying step itself, has run); replicated.
+      outbox: one list per fragment with ``overlap`` or ``eager`` (else
+        ``()``): the worker's own pseudo-gradient as last sent; per-worker.
     """
 
     count: jax.Array  # int32[], replicated
@@ -50,6 +58,8 @@ class DiLoCoState(NamedTuple):
     outer_states: tuple[optax.OptState, ...]  # one per fragment, replicated
     aggregate_states: tuple[optax.OptState, ...]  # one per fragment
     pending: tuple[Any, ...]  # one list of leaves per fragment, replicated; () entries if sync_delay=0
+    exchanged: tuple[Any, ...] = ()  # bool[] per fragment with overlap, replicated
+    outbox: tuple[Any, ...] = ()  # one list of leaves per fragment with overlap or eager, per-worker
 
 
 def diloco_fragments(params: Any, num_fragments: int, *, assignment: str = "strided") -> list[list[int]]:
@@ -146,6 +156,110 @@ def _take(leaves: Sequence[Any], idx: Sequence[int]) -> list[Any]:
     return [leaves[i] for i in idx]
 
 
+def _put(items: tuple[Any, ...], index: int, value: Any) -> tuple[Any, ...]:
+    return items[:index] + (value,) + items[index + 1 :]
+
+
+class _Carry(NamedTuple):
+    """What a synchronisation branch reads and writes: leaves in ``jax.tree.leaves`` order, per-fragment tuples."""
+
+    x: list[Any]  # the local parameters
+    a: list[Any]  # the anchor
+    outer_s: tuple[Any, ...]
+    agg_s: tuple[Any, ...]
+    pend: tuple[Any, ...]
+    exch: tuple[Any, ...]
+    out: tuple[Any, ...]
+
+
+def _local_only(c: _Carry) -> _Carry:
+    return c
+
+
+def _check_schedule(
+    sync_every: int, num_fragments: int, sync_delay: int, *, overlap: bool, eager: bool
+) -> None:
+    if sync_every % num_fragments:
+        raise ValueError(
+            f"`sync_every` ({sync_every}) must be a multiple of `num_fragments` ({num_fragments})."
+        )
+    if sync_delay >= sync_every // num_fragments:
+        raise ValueError(
+            f"`sync_delay` must be < sync_every / num_fragments = {sync_every // num_fragments}; "
+            f"got {sync_delay}."
+        )
+    if eager and sync_delay:
+        raise ValueError(
+            f"`eager=True` takes `sync_delay=0` (got {sync_delay}): its exchange already has a whole "
+            "period, landing at the fragment's next synchronisation."
+        )
+    if overlap and not (sync_delay or eager):
+        raise ValueError(
+            "`overlap=True` needs something to overlap with: `sync_delay` >= 1 (the exchange runs during "
+            "those inner steps) or `eager=True` (during the whole next period)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterExchange:
+    """The exchanges of a ``diloco(..., overlap=True)``, for :func:`jaxopt_dist.overlapped_step`.
+
+    Attributes:
+      sync_every: ``H``.
+      launch_phase: per fragment, the phase ``t % H`` of the step after which
+        its exchange can start (its pseudo-gradient is in ``pending``).
+      land_phase: per fragment, the phase of the step that reads the result.
+      fragments: ``params -> list of leaf-index lists`` (:func:`diloco_fragments`).
+      run: ``(f, pending_f, aggregate_state_f, anchor_f) -> (aggregate_f,
+        aggregate_state_f)``, per worker, inside a mapping of ``axis_name``:
+        the same ``aggregate`` call the step would make itself.
+      axis_name: the workers' axis.
+    """
+
+    sync_every: int
+    launch_phase: tuple[int, ...]
+    land_phase: tuple[int, ...]
+    fragments: Callable[[Any], list[list[int]]]
+    run: Callable[..., tuple[list[Any], Any]]
+    axis_name: base.AxisName
+
+    def launches_after(self, step: int) -> list[int]:
+        """The fragments whose exchange can start once inner step ``step`` (0-based) is done."""
+        return [f for f, p in enumerate(self.launch_phase) if step % self.sync_every == p]
+
+    def lands_at(self, step: int) -> list[int]:
+        """The fragments whose exchanged aggregate inner step ``step`` reads."""
+        return [f for f, p in enumerate(self.land_phase) if step % self.sync_every == p]
+
+    def find(self, opt_state: Any) -> DiLoCoState:
+        """The one :class:`DiLoCoState` in ``opt_state`` (a chain's state may hold it anywhere)."""
+        found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_diloco_state) if _is_diloco_state(x)]
+        if len(found) != 1 or not found[0].exchanged:
+            raise ValueError(
+                "overlapped_step needs exactly one DiLoCoState made with `overlap=True` in the optimizer "
+                f"state; found {len(found)} DiLoCo state(s)"
+                + ("" if len(found) != 1 else " without `overlap=True`")
+                + "."
+            )
+        return found[0]
+
+    @staticmethod
+    def replace(opt_state: Any, new: DiLoCoState) -> Any:
+        """``opt_state`` with its :class:`DiLoCoState` replaced by ``new``."""
+        return jax.tree.map(lambda x: new if _is_diloco_state(x) else x, opt_state, is_leaf=_is_diloco_state)
+
+
+def _is_diloco_state(x: Any) -> bool:
+    return isinstance(x, DiLoCoState)
+
+
+class DiLoCoTransformation(optax.GradientTransformationExtraArgs):
+    """What :func:`diloco` returns: an optax transformation, with ``exchange`` (an
+    :class:`OuterExchange` under ``overlap=True``, else None)."""
+
+    exchange: OuterExchange | None = None
+
+
 def diloco(
     inner: optax.GradientTransformation,
     *,
@@ -156,8 +270,10 @@ def diloco(
     sync_delay: int = 0,
     mixing: optax.ScalarOrSchedule = 0.0,
     fragment_assignment: str = "strided",
+    overlap: bool = False,
+    eager: bool = False,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
-) -> optax.GradientTransformationExtraArgs:
+) -> DiLoCoTransformation:
     r"""DiLoCo (and Streaming DiLoCo): local ``inner`` steps, an ``outer`` step every ``sync_every``.
 
     Parameters are per-worker (``data_parallel_step(...,
@@ -266,39 +382,42 @@ def diloco(
     sync_every = base.check_positive_int(sync_every, "sync_every")
     num_fragments = base.check_positive_int(num_fragments, "num_fragments")
     sync_delay = base.check_positive_int(sync_delay, "sync_delay", minimum=0)
-    if sync_every % num_fragments:
-        raise ValueError(
-            f"`sync_every` ({sync_every}) must be a multiple of `num_fragments` ({num_fragments})."
-        )
-    if sync_delay >= sync_every // num_fragments:
-        raise ValueError(
-            f"`sync_delay` must be < sync_every / num_fragments = {sync_every // num_fragments}; "
-            f"got {sync_delay}."
-        )
+    _check_schedule(sync_every, num_fragments, sync_delay, overlap=overlap, eager=eager)
     base.check_hyperparameter(mixing, "mixing", lower=0.0, upper=1.0)
     if fragment_assignment not in _ASSIGNMENTS:
         raise ValueError(f"`fragment_assignment` must be one of {_ASSIGNMENTS}; got {fragment_assignment!r}.")
     no_mixing = base.is_constant(mixing, 0.0)
     send_at, apply_at = _schedule(sync_every, num_fragments, sync_delay)
+    keeps_pending = bool(sync_delay) or eager
 
     def fragments(params):
         return diloco_fragments(params, num_fragments, assignment=fragment_assignment)
 
     def init_fn(params):
         leaves = jax.tree.leaves(params)
-        groups = fragments(params)
-        pieces = [_take(leaves, g) for g in groups]
+        pieces = [_take(leaves, g) for g in fragments(params)]
+
+        def zeros(flag):
+            return tuple([jnp.zeros_like(x) for x in p] if flag else () for p in pieces)
+
         return DiLoCoState(
             count=jnp.zeros([], jnp.int32),
             anchor=jax.tree.map(jnp.asarray, params),
             inner_state=inner.init(params),
             outer_states=tuple(outer.init(p) for p in pieces),
             aggregate_states=tuple(aggregate.init(p) for p in pieces),
-            pending=tuple([jnp.zeros_like(x) for x in p] if sync_delay else () for p in pieces),
+            pending=zeros(keeps_pending),
+            exchanged=tuple(jnp.ones([], bool) for _ in pieces) if overlap else (),
+            outbox=zeros(overlap or eager) if overlap or eager else (),
         )
 
+    def exchange(f, pseudo, agg_state_f, anchor_f):
+        """The aggregate of one fragment's pseudo-gradients: (leaves, new aggregate state)."""
+        mean, new_agg = aggregate.update(list(pseudo), agg_state_f, list(anchor_f))
+        return [m.astype(p.dtype) for m, p in zip(jax.tree.leaves(mean), pseudo)], new_agg
+
     def update_fn(updates, state, params=None, **extra_args):
-        comm.require_axis(axis_name, "diloco")
+        num_workers = comm.require_axis(axis_name, "diloco")
         if params is None:
             raise ValueError(base.no_params_message("diloco"))
         count = state.count
@@ -307,86 +426,130 @@ def diloco(
         p_leaves, treedef = jax.tree.flatten(params)
         groups = fragments(params)
         alpha = None if no_mixing else base.resolve(mixing, count)
-        operands = (
-            treedef.flatten_up_to(local),
-            treedef.flatten_up_to(state.anchor),
-            state.outer_states,
-            state.aggregate_states,
-            state.pending,
+        operands = _Carry(
+            x=treedef.flatten_up_to(local),
+            a=treedef.flatten_up_to(state.anchor),
+            outer_s=state.outer_states,
+            agg_s=state.aggregate_states,
+            pend=state.pending,
+            exch=state.exchanged,
+            out=state.outbox,
         )
 
-        def local_only(x, a, outer_s, agg_s, pend):
-            return x, a, outer_s, agg_s, pend
+        def communicate(f, pseudo, c):
+            delta, new_agg = exchange(f, pseudo, c.agg_s[f], _take(c.a, groups[f]))
+            new_agg = optax.tree.cast_like(new_agg, state.aggregate_states[f])
+            return delta, c._replace(agg_s=_put(c.agg_s, f, new_agg))
 
-        def communicate(f, x, a, agg_s):
-            pseudo = [(a[i] - x[i]).astype(a[i].dtype) for i in groups[f]]
-            mean, new_agg = aggregate.update(pseudo, agg_s[f], _take(a, groups[f]))
-            agg_s = list(agg_s)
-            agg_s[f] = optax.tree.cast_like(new_agg, state.aggregate_states[f])
-            return [m.astype(p.dtype) for m, p in zip(jax.tree.leaves(mean), pseudo)], tuple(agg_s)
+        def resolve(f, c):
+            """The aggregate waiting in ``pend[f]``, exchanging it here if nobody has."""
+            if not overlap:
+                return list(c.pend[f]), c
 
-        def land(f, delta, x, a, outer_s):
-            anchor_f = _take(a, groups[f])
-            step, new_outer = outer.update(delta, outer_s[f], anchor_f)
-            outer_s = list(outer_s)
-            outer_s[f] = optax.tree.cast_like(new_outer, state.outer_states[f])
+            def done(c):
+                return list(c.pend[f]), c
+
+            def here(c):
+                return communicate(f, c.out[f], c)
+
+            return _vma_matched_switch(jnp.where(c.exch[f], 0, 1), [done, here], (c,), axis_name)
+
+        def land(f, delta, c):
+            anchor_f = _take(c.a, groups[f])
+            step, new_outer = outer.update(delta, c.outer_s[f], anchor_f)
             step = jax.tree.leaves(step)
-            x, a = list(x), list(a)
+            x, a = list(c.x), list(c.a)
             for j, i in enumerate(groups[f]):
                 a[i] = (anchor_f[j] + step[j]).astype(anchor_f[j].dtype)
                 x[i] = a[i] if alpha is None else ((1 - alpha) * a[i] + alpha * x[i]).astype(a[i].dtype)
-            return x, a, tuple(outer_s)
+            new_outer = optax.tree.cast_like(new_outer, state.outer_states[f])
+            return c._replace(x=x, a=a, outer_s=_put(c.outer_s, f, new_outer))
+
+        def send_or_keep(f, pseudo, c):
+            """Stores the fragment's outgoing pseudo-gradient; exchanges it here unless ``overlap``."""
+            if overlap or eager:
+                c = c._replace(out=_put(c.out, f, comm.to_varying(list(pseudo), axis_name)))
+            if overlap:
+                return c._replace(exch=_put(c.exch, f, jnp.zeros([], bool)))
+            delta, c = communicate(f, pseudo, c)
+            return c._replace(pend=_put(c.pend, f, delta))
+
+        def pseudo_of(f, c):
+            return [(c.a[i] - c.x[i]).astype(c.a[i].dtype) for i in groups[f]]
 
         def sync(f):
-            def branch(x, a, outer_s, agg_s, pend):
-                delta, agg_s = communicate(f, x, a, agg_s)
-                x, a, outer_s = land(f, delta, x, a, outer_s)
-                return x, a, outer_s, agg_s, pend
+            def branch(c):
+                delta, c = communicate(f, pseudo_of(f, c), c)
+                return land(f, delta, c)
 
             return branch
 
         def send(f):
-            def branch(x, a, outer_s, agg_s, pend):
-                delta, agg_s = communicate(f, x, a, agg_s)
-                pend = pend[:f] + (delta,) + pend[f + 1 :]
-                return x, a, outer_s, agg_s, pend
+            return lambda c: send_or_keep(f, pseudo_of(f, c), c)
+
+        def apply(f):
+            def branch(c):
+                delta, c = resolve(f, c)
+                return land(f, delta, c)
 
             return branch
 
-        def apply(f):
-            def branch(x, a, outer_s, agg_s, pend):
-                x, a, outer_s = land(f, list(pend[f]), x, a, outer_s)
-                return x, a, outer_s, agg_s, pend
+        def eager_sync(f):
+            def branch(c):
+                own = pseudo_of(f, c)
+                previous_mean, c = resolve(f, c)
+                delta = [
+                    (m + (o - p) / num_workers).astype(o.dtype)
+                    for m, o, p in zip(previous_mean, own, c.out[f])
+                ]
+                return send_or_keep(f, own, land(f, delta, c))
 
             return branch
 
         phase = count % sync_every
         index = jnp.zeros([], jnp.int32)
-        if sync_delay == 0:
-            branches = [local_only] + [sync(f) for f in range(num_fragments)]
+        if eager:
+            branches = [_local_only] + [eager_sync(f) for f in range(num_fragments)]
+            for f in range(num_fragments):
+                index = jnp.where(phase == apply_at[f], f + 1, index)
+        elif sync_delay == 0:
+            branches = [_local_only] + [sync(f) for f in range(num_fragments)]
             for f in range(num_fragments):
                 index = jnp.where(phase == apply_at[f], f + 1, index)
         else:
             branches = (
-                [local_only]
+                [_local_only]
                 + [send(f) for f in range(num_fragments)]
                 + [apply(f) for f in range(num_fragments)]
             )
             for f in range(num_fragments):
                 index = jnp.where(phase == send_at[f], 1 + f, index)
                 index = jnp.where(phase == apply_at[f], 1 + num_fragments + f, index)
-        x, a, outer_s, agg_s, pend = _vma_matched_switch(index, branches, operands, axis_name)
-        new_params = comm.to_varying(x, axis_name)
+        c = _vma_matched_switch(index, branches, (operands,), axis_name)
+        new_params = comm.to_varying(c.x, axis_name)
         u_leaves = treedef.flatten_up_to(updates)
         out = [(n - p).astype(u.dtype) for n, p, u in zip(new_params, p_leaves, u_leaves)]
         new_state = DiLoCoState(
             count=jnp.asarray(optax.safe_increment(count)),
-            anchor=jax.tree.unflatten(treedef, a),
+            anchor=jax.tree.unflatten(treedef, c.a),
             inner_state=inner_state,
-            outer_states=outer_s,
-            aggregate_states=agg_s,
-            pending=pend,
+            outer_states=c.outer_s,
+            aggregate_states=c.agg_s,
+            pending=c.pend,
+            exchanged=c.exch,
+            outbox=c.out,
         )
         return jax.tree.unflatten(treedef, out), new_state
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    tx = DiLoCoTransformation(init_fn, update_fn)
+    if overlap:
+        launch = apply_at if eager else send_at
+        tx.exchange = OuterExchange(
+            sync_every=sync_every,
+            launch_phase=tuple(launch),
+            land_phase=tuple(apply_at),
+            fragments=fragments,
+            run=exchange,
+            axis_name=axis_name,
+        )
+    return tx

@@ -1,0 +1,225 @@
+"""Outer exchanges that run while inner steps compute: :func:`jaxopt_dist.overlapped_step`.
+
+A ``diloco(..., overlap=True)`` step never communicates on the step that
+takes a fragment's pseudo-gradient: it leaves the worker's own value in the
+state. :class:`OverlappedStep` then runs that fragment's exchange (the
+``aggregate``: the mean all-reduce, or a compressor) as a program of its own
+on a second set of devices, ``comm_mesh``, while the next inner steps run on
+the step's mesh, and hands the result to the step that applies it. On
+XLA:CPU a collective only runs beside compute when it is on a device of its
+own (each process then has two CPU devices); the numbers are those of the
+step alone, which would run the exchange itself where nobody did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxopt_dist._src import base, comm
+from jaxopt_dist._src.training import layout
+
+
+def _stacked(x: Any, data_axes: tuple[Any, ...]) -> bool:
+    """Whether ``x`` is a per-worker leaf (stacked over the data axes in front)."""
+    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
+    return bool(len(spec)) and bool(set(base.axis_names(spec[0]) if spec[0] else ()) & set(data_axes))
+
+
+def _move(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
+    """``x`` on ``mesh`` (same axes and shape, other devices), shard by shard, each on its own process."""
+    src = x.sharding
+    to_device = dict(zip(src.mesh.devices.flat, mesh.devices.flat))
+    shards = [jax.device_put(s.data, to_device[s.device]) for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, src.spec), shards)
+
+
+def _check_meshes(mesh: jax.sharding.Mesh, comm_mesh: jax.sharding.Mesh) -> None:
+    if not isinstance(comm_mesh, jax.sharding.Mesh):
+        raise TypeError(f"`comm_mesh` must be a jax.sharding.Mesh; got {type(comm_mesh).__name__}.")
+    if dict(comm_mesh.shape) != dict(mesh.shape):
+        raise ValueError(
+            f"`comm_mesh` must have the step mesh's axes and shape {dict(mesh.shape)}; got {dict(comm_mesh.shape)}."
+        )
+    shared = set(mesh.devices.flat) & set(comm_mesh.devices.flat)
+    if shared:
+        raise ValueError(
+            f"`comm_mesh` must be on other devices than the step's mesh ({len(shared)} shared); on XLA:CPU "
+            "start each process with --xla_force_host_platform_device_count=2 and build it from each "
+            "process's second device."
+        )
+
+
+@dataclasses.dataclass
+class OverlappedStep:
+    """A :func:`jaxopt_dist.data_parallel_step` whose DiLoCo exchanges run beside the inner steps.
+
+    Call it as the step: ``params, opt_state, metrics = run(params,
+    opt_state, batch)``; ``run.init(params)`` is the step's. See
+    :func:`overlapped_step`.
+    """
+
+    step: Any
+    exchange: Any  # diloco's OuterExchange
+    comm_mesh: jax.sharding.Mesh
+    _in_flight: dict[int, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _count: int | None = dataclasses.field(default=None, init=False, repr=False)
+    _last: Any = dataclasses.field(default=None, init=False, repr=False)
+    _programs: dict[Any, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_meshes(self.step.mesh, self.comm_mesh)
+
+    def init(self, params: Any) -> tuple[Any, Any]:
+        """``step.init(params)``."""
+        return self.step.init(params)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        t = self._step_number(opt_state)
+        landing = self.exchange.lands_at(t)
+        # Fragments still in flight that this step does not read get the values the step
+        # passed through last time (ready), so that the step does not wait for the exchange.
+        held = {f: v for f, v in self._in_flight.items() if f not in landing}
+        state = self._with(opt_state, {f: v[1] for f, v in held.items()}) if held else opt_state
+        params, new_state, metrics = self.step(params, state, batch)
+        for f in landing:
+            self._in_flight.pop(f, None)
+        placeholders = {f: self._pieces(new_state, f) for f in held}
+        outgoing = {f: self._launch(new_state, f) for f in self.exchange.launches_after(t)}
+        self._in_flight = {f: (held[f][0], placeholders[f]) for f in held}
+        self._in_flight.update({f: (results, self._pieces(new_state, f)) for f, results in outgoing.items()})
+        new_state = self._with(new_state, {f: v[0] for f, v in self._in_flight.items()})
+        self._count, self._last = t + 1, new_state
+        return params, new_state, metrics
+
+    def _step_number(self, opt_state: Any) -> int:
+        """The 0-based number of the step about to run (read from the state when it is not ours)."""
+        if opt_state is self._last and self._count is not None:
+            return self._count
+        self._in_flight = {}  # a state from elsewhere (a restore): its exchanges are done
+        return int(np.asarray(jax.device_get(self.exchange.find(opt_state).count)).reshape(-1)[0])
+
+    def _pieces(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
+        """(pending, aggregate state, exchanged flag) of fragment ``f``."""
+        s = self.exchange.find(opt_state)
+        return s.pending[f], s.aggregate_states[f], s.exchanged[f]
+
+    def _with(self, opt_state: Any, pieces: dict[int, tuple[Any, Any, Any]]) -> Any:
+        s = self.exchange.find(opt_state)
+        pend, agg, exch = list(s.pending), list(s.aggregate_states), list(s.exchanged)
+        for f, (p, a, e) in pieces.items():
+            pend[f], agg[f], exch[f] = p, a, e
+        new = s._replace(pending=tuple(pend), aggregate_states=tuple(agg), exchanged=tuple(exch))
+        return self.exchange.replace(opt_state, new)
+
+    def _launch(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
+        """Dispatches fragment ``f``'s exchange on ``comm_mesh``; its results, back on the step's mesh."""
+        s = self.exchange.find(opt_state)
+        groups = self.exchange.fragments(s.anchor)
+        anchor_f = [jax.tree.leaves(s.anchor)[i] for i in groups[f]]
+        args = (s.outbox[f], s.aggregate_states[f], anchor_f)
+        program = self._program(f, args, s.pending[f])
+        pend, agg = program(*jax.tree.map(lambda x: _move(x, self.comm_mesh), args))
+        back = jax.tree.map(lambda x: _move(x, self.step.mesh), (pend, agg))
+        done = jax.device_put(np.ones((), bool), NamedSharding(self.step.mesh, P()))
+        return back[0], back[1], done
+
+    def _program(self, f: int, args: Any, pending: Any) -> Any:
+        key = (f, jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
+        if key not in self._programs:
+            self._programs[key] = self._build(f, args, pending)
+        return self._programs[key]
+
+    def _build(self, f: int, args: Any, pending: Any) -> Any:
+        """The exchange program: ``(outbox_f, aggregate_state_f, anchor_f) -> (pending_f, aggregate_state_f)``."""
+        data = base.axis_names(self.exchange.axis_name)
+        mask = jax.tree.map(lambda x: _stacked(x, data), args)
+        out_mask = (jax.tree.map(lambda x: _stacked(x, data), pending), mask[1])
+        specs, out_specs = (
+            jax.tree.map(lambda m: layout.data_spec(data) if m else P(), m) for m in (mask, out_mask)
+        )
+        run = self.exchange.run
+
+        def body(*args):
+            out, new_agg = run(f, *layout.first_rows(args, mask))
+            out = [comm.to_varying(x, data) if m else x for x, m in zip(out, out_mask[0])]
+            return layout.add_rows((out, new_agg), out_mask)
+
+        model_axes = set(self.comm_mesh.axis_names) - set(data)
+        manual = {"axis_names": set(data)} if model_axes else {}
+        fn = jax.shard_map(
+            body, mesh=self.comm_mesh, in_specs=specs, out_specs=out_specs, check_vma=True, **manual
+        )
+        out_shardings = jax.tree.map(
+            lambda x: NamedSharding(self.comm_mesh, x.sharding.spec), (list(pending), args[1])
+        )
+        return jax.jit(fn, out_shardings=out_shardings)
+
+
+def overlapped_step(step: Any, *, comm_mesh: jax.sharding.Mesh, diloco: Any = None) -> OverlappedStep:
+    r"""Runs ``step``'s DiLoCo exchanges on ``comm_mesh`` while the next inner steps compute.
+
+    ``step`` is a :func:`jaxopt_dist.data_parallel_step` (``per_worker_params=True``)
+    whose transformation is, or contains, a
+    :func:`jaxopt_dist.diloco` made with ``overlap=True`` (Streaming DiLoCo
+    with ``sync_delay >= 1``, or ``eager=True``). After the step that takes a
+    fragment's pseudo-gradient, its exchange (the transform's ``aggregate``)
+    is dispatched as a program of its own on ``comm_mesh``; the following
+    steps run on the step's mesh without waiting for it, and the step that
+    applies the fragment (``sync_delay`` steps later; a whole period later
+    under ``eager``) reads the result. Dispatch is asynchronous throughout:
+    the host never waits for the link, only the applying step does, if the
+    exchange has not finished by then.
+
+    On XLA:CPU a collective runs beside compute only on a device of its own:
+    start each process with ``--xla_force_host_platform_device_count=2``,
+    build the step's mesh from each process's first device and ``comm_mesh``
+    from its second (same axis names and shape). The parameters, the numbers
+    and the state are those of ``step`` alone (which exchanges a fragment
+    inside its applying step where nobody did): replicas stay bit-identical,
+    and the state this returns is the true state (a leaf still being
+    exchanged is an array not yet ready; saving it waits for it), so
+    checkpoints and resumes are exact. A state that did not come from this
+    runner's last call (a restored one) is taken as it is, with no exchange
+    in flight.
+
+    Args:
+      step: a :func:`jaxopt_dist.data_parallel_step` with per-worker params.
+      comm_mesh: the devices the exchanges run on.
+      diloco: the ``diloco(..., overlap=True)`` transformation, when ``step``'s
+        transformation is a chain containing it (default: ``step.tx``).
+
+    Returns:
+      An :class:`OverlappedStep`, called as the step.
+
+    Examples:
+      >>> import jax, optax, jaxopt_dist as jd                      # doctest: +SKIP
+      >>> devs = jax.devices()                                        # doctest: +SKIP
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=devs[:2])    # doctest: +SKIP
+      >>> comm_mesh = jax.make_mesh((2,), ("data",), devices=devs[2:4])  # doctest: +SKIP
+      >>> tx = jd.diloco(optax.adamw(1e-3), sync_every=40, num_fragments=4,
+      ...                sync_delay=5, overlap=True)                 # doctest: +SKIP
+      >>> step = jd.data_parallel_step(loss_fn, tx, mesh=mesh, per_worker_params=True)  # doctest: +SKIP
+      >>> run = jd.overlapped_step(step, comm_mesh=comm_mesh)        # doctest: +SKIP
+      >>> params, opt_state = run.init(params)                       # doctest: +SKIP
+      >>> params, opt_state, metrics = run(params, opt_state, batch) # doctest: +SKIP
+    """
+    tx = step.tx if diloco is None else diloco
+    exchange = getattr(tx, "exchange", None)
+    if exchange is None:
+        raise ValueError(
+            "overlapped_step needs a jaxopt_dist.diloco(..., overlap=True): "
+            + (
+                "pass it as `diloco=` when the step's transformation is a chain."
+                if diloco is None
+                else "`diloco` has no exchanges to overlap (made without overlap=True)."
+            )
+        )
+    if not getattr(step, "per_worker_params", False):
+        raise ValueError("overlapped_step needs a data_parallel_step with per_worker_params=True (DiLoCo's).")
+    return OverlappedStep(step, exchange, comm_mesh)
