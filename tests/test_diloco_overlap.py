@@ -1,0 +1,270 @@
+"""diloco(overlap=True), diloco(eager=True) and overlapped_step.
+
+``overlap=True`` only moves where the exchange runs: the numbers are those of
+``overlap=False`` bit for bit, run by the step alone or by
+:func:`jaxopt_dist.overlapped_step` on a second mesh. ``eager=True`` is
+checked against a NumPy loop over workers (the rule of Kale, Douillard and
+Donchev 2025: the previous synchronisation's mean plus the worker's own fresh
+correction).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxopt_dist as jd
+from tests import helpers
+from tests.test_diloco import INNER_LR, INNER_MOM, OUTER_LR, OUTER_MOM, SHAPES, _data, _inner
+
+
+def np_eager(grads, params, *, H, F=1, groups=None):
+    """Per-worker params and anchors after T steps of eager DiLoCo: a loop over steps, workers, fragments.
+
+    Inner SGD with momentum, outer Nesterov SGD (0.7, 0.9) per worker and fragment. At fragment
+    ``f``'s synchronisation worker ``i`` steps its own outer optimizer with
+    ``mean_j(own_j(previous sync)) + (own_i - own_i(previous sync)) / n``; zero before the first.
+    """
+    names = list(SHAPES)
+    T, n = grads[names[0]].shape[:2]
+    groups = groups or [list(range(f, len(names), F)) for f in range(F)]
+    x = [{k: params[k].copy() for k in names} for _ in range(n)]
+    mom = [{k: np.zeros_like(params[k]) for k in names} for _ in range(n)]
+    anchor = [{k: params[k].copy() for k in names} for _ in range(n)]
+    buf = [{k: np.zeros_like(params[k]) for k in names} for _ in range(n)]
+    own_prev = [{k: np.zeros_like(params[k]) for k in names} for _ in range(n)]
+    mean_prev = {k: np.zeros_like(params[k]) for k in names}
+    for t in range(T):
+        for i in range(n):
+            for k in names:
+                mom[i][k] = grads[k][t, i] + np.float32(INNER_MOM) * mom[i][k]
+                x[i][k] = x[i][k] - np.float32(INNER_LR) * mom[i][k]
+        for f, g in enumerate(groups):
+            if t % H != (f + 1) * (H // F) - 1:
+                continue
+            keys = [names[j] for j in g]
+            own = [{k: anchor[i][k] - x[i][k] for k in keys} for i in range(n)]
+            for i in range(n):
+                for k in keys:
+                    d = mean_prev[k] + (own[i][k] - own_prev[i][k]) / np.float32(n)
+                    buf[i][k] = np.float32(OUTER_MOM) * buf[i][k] + d
+                    anchor[i][k] = anchor[i][k] - np.float32(OUTER_LR) * (
+                        d + np.float32(OUTER_MOM) * buf[i][k]
+                    )
+                    x[i][k] = anchor[i][k]
+                    own_prev[i][k] = own[i][k]
+            for k in keys:
+                acc = np.zeros_like(mean_prev[k])
+                for i in range(n):
+                    acc = acc + own[i][k]
+                mean_prev[k] = acc / np.float32(n)
+    return x, anchor
+
+
+@pytest.mark.parametrize(
+    "backend,n,F", [("vmap", 3, 1), ("vmap", 2, 2), ("shard_map", 2, 4), ("shard_map", 4, 2)]
+)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eager_matches_reference(backend, n, F, overlap):
+    H = 4 * F if F > 1 else 3
+    T = 3 * H + 1
+    grads, params = _data(n, T, seed=20 + n + F)
+    tx = jd.diloco(_inner(), sync_every=H, num_fragments=F, eager=True, overlap=overlap)
+    _, p, state = helpers.run_steps(tx, grads, params, backend=backend, per_worker_params=True)
+    want_x, want_anchor = np_eager(grads, params, H=H, F=F)
+    for i in range(n):
+        helpers.assert_trees_close(
+            {k: np.asarray(v)[i] for k, v in p.items()}, want_x[i], rtol=1e-5, atol=1e-5
+        )
+        got_anchor = {k: np.asarray(v)[i] for k, v in state.anchor.items()}
+        helpers.assert_trees_close(got_anchor, want_anchor[i], rtol=1e-5, atol=1e-5)
+    # The replicas drift apart (each applies its own fresh pseudo-gradient), as the method says.
+    assert not np.array_equal(np.asarray(state.anchor["a"])[0], np.asarray(state.anchor["a"])[1])
+
+
+@pytest.mark.parametrize(
+    "backend,n,F,tau,aggregate",
+    [
+        ("vmap", 2, 2, 1, None),
+        ("vmap", 3, 1, 2, "low_bit"),
+        ("shard_map", 4, 2, 2, None),
+        ("shard_map", 2, 4, 1, "low_bit"),
+    ],
+)
+def test_overlap_changes_no_number(backend, n, F, tau, aggregate):
+    """Exchanged inline in the applying step (nobody ran it before), the numbers are overlap=False's, bit for bit."""
+    H = 12 if F == 4 else 6
+    grads, params = _data(n, 2 * H + 3, seed=30 + n)
+
+    def make(overlap):
+        agg = jd.low_bit(block_size=4) if aggregate else None
+        return jd.diloco(
+            _inner(),
+            sync_every=H,
+            num_fragments=F,
+            sync_delay=tau,
+            mixing=0.25,
+            aggregate=agg,
+            overlap=overlap,
+        )
+
+    _, p0, s0 = helpers.run_steps(make(False), grads, params, backend=backend, per_worker_params=True)
+    _, p1, s1 = helpers.run_steps(make(True), grads, params, backend=backend, per_worker_params=True)
+    helpers.assert_trees_equal(p1, p0)
+    helpers.assert_trees_equal(s1.anchor, s0.anchor)
+    helpers.assert_trees_equal(s1.aggregate_states, s0.aggregate_states)
+
+
+# ----------------------------------------------------------------------------
+# overlapped_step: the exchanges on a second mesh.
+
+_W = np.random.default_rng(0)
+
+
+def _mlp_params():
+    rng = np.random.default_rng(1)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(4, 8)) * 0.3, jnp.float32),
+        "b": jnp.zeros(8, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(8, 1)) * 0.3, jnp.float32),
+    }
+
+
+def _loss(p, batch):
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b"][None]) @ p["w2"] - y) ** 2)
+
+
+def _batches(T, n):
+    rng = np.random.default_rng(2)
+    return [
+        (rng.normal(size=(2 * n, 4)).astype(np.float32), rng.normal(size=(2 * n, 1)).astype(np.float32))
+        for _ in range(T)
+    ]
+
+
+def _meshes(n):
+    devs = jax.devices()
+    return jax.make_mesh((n,), ("data",), devices=devs[:n]), jax.make_mesh(
+        (n,), ("data",), devices=devs[n : 2 * n]
+    )
+
+
+def _run(run, params, opt_state, batches):
+    losses = []
+    for b in batches:
+        params, opt_state, metrics = run(params, opt_state, b)
+        losses.append(float(metrics["loss"]))
+    return params, opt_state, losses
+
+
+OVERLAPPED = [  # (n, diloco kwargs)
+    (2, dict(sync_every=6, num_fragments=3, sync_delay=1)),
+    (2, dict(sync_every=8, num_fragments=2, sync_delay=3, mixing=0.5, aggregate="low_bit")),
+    (4, dict(sync_every=4, num_fragments=2, eager=True)),
+    (2, dict(sync_every=3, eager=True, aggregate="low_bit")),
+]
+
+
+@pytest.mark.parametrize("n,kw", OVERLAPPED)
+def test_overlapped_step_equals_the_step_alone(n, kw):
+    mesh, comm_mesh = _meshes(n)
+
+    def make(overlap):
+        args = dict(kw, aggregate=jd.low_bit(block_size=8)) if kw.get("aggregate") else kw
+        tx = jd.diloco(optax.adam(1e-2), overlap=overlap, **args)
+        return jd.data_parallel_step(_loss, tx, mesh=mesh, per_worker_params=True)
+
+    batches = _batches(2 * kw["sync_every"] + 2, n)
+    plain = make(False)
+    p0, s0, l0 = _run(plain, *plain.init(_mlp_params()), batches)
+    run = jd.overlapped_step(make(True), comm_mesh=comm_mesh)
+    p1, s1, l1 = _run(run, *run.init(_mlp_params()), batches)
+    assert l1 == l0
+    helpers.assert_trees_equal(p1, p0)
+    helpers.assert_trees_equal(s1.anchor, s0.anchor)
+    helpers.assert_trees_equal(s1.inner_state, s0.inner_state)
+    if not kw.get("eager"):
+        shapes = jax.tree.map(jnp.shape, _mlp_params())
+        assert jax.tree.map(jnp.shape, s1.anchor) == shapes  # replicated, not stacked per worker
+        if len(batches) % kw["sync_every"] == 0 and not kw.get("mixing"):
+            helpers.assert_replicas_equal(p1)
+
+
+def test_overlapped_step_resumes_bit_exact_mid_flight(tmp_path):
+    """A checkpoint taken while an exchange is in flight holds its result; the resumed run is the same."""
+    n = 2
+    mesh, comm_mesh = _meshes(n)
+
+    def make():
+        tx = jd.diloco(optax.adam(1e-2), sync_every=8, num_fragments=2, sync_delay=3, overlap=True)
+        return jd.overlapped_step(
+            jd.data_parallel_step(_loss, tx, mesh=mesh, per_worker_params=True), comm_mesh=comm_mesh
+        )
+
+    batches = _batches(20, n)
+    run = make()
+    params, opt_state = run.init(_mlp_params())
+    params, opt_state, _ = _run(
+        run, params, opt_state, batches[:2]
+    )  # fragment 0 sent after step 0, lands at 3
+    assert run._in_flight  # an exchange is in flight
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        mngr.save(2, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        mngr.wait_until_finished()
+    params, opt_state, losses = _run(run, params, opt_state, batches[2:])
+    fresh = make()
+    abstract = dict(zip(("params", "opt_state"), fresh.step.abstract_init(_mlp_params())))
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        restored = mngr.restore(2, args=ocp.args.StandardRestore(abstract))
+    params2, opt_state2, losses2 = _run(fresh, restored["params"], restored["opt_state"], batches[2:])
+    assert losses2 == losses
+    helpers.assert_trees_equal(params2, params)
+    helpers.assert_trees_equal(opt_state2, opt_state)
+
+
+def test_overlap_bytes_and_schedule():
+    """The same bytes per period as overlap=False; the runner's launch and landing phases."""
+    params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+    kw = dict(sync_every=8, num_fragments=2, sync_delay=2)
+    plain = jd.communication_cost(jd.diloco(_inner(), **kw), params, num_workers=4)
+    tx = jd.diloco(_inner(), overlap=True, **kw)
+    over = jd.communication_cost(tx, params, num_workers=4)
+    assert over.sent_bytes == pytest.approx(plain.sent_bytes)
+    assert tx.exchange.launch_phase == (1, 5) and tx.exchange.land_phase == (3, 7)
+    assert tx.exchange.launches_after(9) == [0] and tx.exchange.lands_at(15) == [1]
+    eager = jd.diloco(_inner(), sync_every=8, num_fragments=2, eager=True, overlap=True).exchange
+    assert eager.launch_phase == eager.land_phase == (3, 7)
+    assert jd.diloco(_inner(), sync_every=4).exchange is None
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="overlap=True` needs"):
+        jd.diloco(_inner(), sync_every=4, overlap=True)
+    with pytest.raises(ValueError, match="eager=True` takes `sync_delay=0"):
+        jd.diloco(_inner(), sync_every=4, sync_delay=1, eager=True)
+    mesh, comm_mesh = _meshes(2)
+    plain = jd.data_parallel_step(_loss, jd.diloco(_inner(), sync_every=4), mesh=mesh, per_worker_params=True)
+    with pytest.raises(ValueError, match="overlap=True"):
+        jd.overlapped_step(plain, comm_mesh=comm_mesh)
+    tx = jd.diloco(_inner(), sync_every=4, sync_delay=1, overlap=True)
+    chained = jd.data_parallel_step(
+        _loss, optax.chain(optax.clip(1.0), tx), mesh=mesh, per_worker_params=True
+    )
+    with pytest.raises(ValueError, match="diloco="):
+        jd.overlapped_step(chained, comm_mesh=comm_mesh)
+    jd.overlapped_step(chained, comm_mesh=comm_mesh, diloco=tx)  # found inside the chain
+    step = jd.data_parallel_step(_loss, tx, mesh=mesh, per_worker_params=True)
+    with pytest.raises(ValueError, match="other devices"):
+        jd.overlapped_step(step, comm_mesh=mesh)
+    with pytest.raises(ValueError, match="axes and shape"):
+        jd.overlapped_step(step, comm_mesh=_meshes(4)[1])
+    with pytest.raises(TypeError, match="comm_mesh"):
+        jd.overlapped_step(step, comm_mesh="cpu:1")
+    replicated = jd.data_parallel_step(_loss, optax.adam(1e-2), mesh=mesh)
+    with pytest.raises(ValueError, match="per_worker_params=True"):
+        jd.overlapped_step(replicated, comm_mesh=comm_mesh, diloco=tx)
