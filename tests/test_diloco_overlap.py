@@ -171,8 +171,10 @@ OVERLAPPED = [  # (n, diloco kwargs)
 
 
 @pytest.mark.parametrize("n,kw", OVERLAPPED)
-def test_overlapped_step_equals_the_step_alone(n, kw):
+@pytest.mark.parametrize("where", ["comm_mesh", "fused"])
+def test_overlapped_step_equals_the_step_alone(n, kw, where):
     mesh, comm_mesh = _meshes(n)
+    comm_mesh = comm_mesh if where == "comm_mesh" else None
 
     def make(overlap):
         args = dict(kw, aggregate=jd.low_bit(block_size=8)) if kw.get("aggregate") else kw
@@ -195,10 +197,12 @@ def test_overlapped_step_equals_the_step_alone(n, kw):
             helpers.assert_replicas_equal(p1)
 
 
-def test_overlapped_step_resumes_bit_exact_mid_flight(tmp_path):
+@pytest.mark.parametrize("where", ["comm_mesh", "fused"])
+def test_overlapped_step_resumes_bit_exact_mid_flight(tmp_path, where):
     """A checkpoint taken while an exchange is in flight holds its result; the resumed run is the same."""
     n = 2
     mesh, comm_mesh = _meshes(n)
+    comm_mesh = comm_mesh if where == "comm_mesh" else None
 
     def make():
         tx = jd.diloco(optax.adam(1e-2), sync_every=8, num_fragments=2, sync_delay=3, overlap=True)

@@ -2,13 +2,19 @@
 
 A ``diloco(..., overlap=True)`` step never communicates on the step that
 takes a fragment's pseudo-gradient: it leaves the worker's own value in the
-state. :class:`OverlappedStep` then runs that fragment's exchange (the
-``aggregate``: the mean all-reduce, or a compressor) as a program of its own
-on a second set of devices, ``comm_mesh``, while the next inner steps run on
-the step's mesh, and hands the result to the step that applies it. On
-XLA:CPU a collective only runs beside compute when it is on a device of its
-own (each process then has two CPU devices); the numbers are those of the
-step alone, which would run the exchange itself where nobody did.
+state's outbox. :class:`OverlappedStep` runs that fragment's exchange (the
+``aggregate``: the mean all-reduce, or a compressor) while the next inner
+steps compute, and hands the result to the step that applies it:
+
+* ``comm_mesh`` given: as a program of its own on a second set of devices.
+  On XLA:CPU a collective only runs beside compute when it is on a device of
+  its own (each process then has two CPU devices).
+* ``comm_mesh=None``: inside the next inner step's program, with no data
+  dependence on it, outside any conditional: GPU and TPU compilers may then
+  schedule the collective asynchronously around the step's compute.
+
+The numbers are those of the step alone, which exchanges a fragment itself
+in its applying step where nobody did.
 """
 
 from __future__ import annotations
@@ -66,14 +72,16 @@ class OverlappedStep:
 
     step: Any
     exchange: Any  # diloco's OuterExchange
-    comm_mesh: jax.sharding.Mesh
+    comm_mesh: jax.sharding.Mesh | None
     _in_flight: dict[int, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _due: list[int] = dataclasses.field(default_factory=list, init=False, repr=False)
     _count: int | None = dataclasses.field(default=None, init=False, repr=False)
     _last: Any = dataclasses.field(default=None, init=False, repr=False)
     _programs: dict[Any, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_meshes(self.step.mesh, self.comm_mesh)
+        if self.comm_mesh is not None:
+            _check_meshes(self.step.mesh, self.comm_mesh)
 
     def init(self, params: Any) -> tuple[Any, Any]:
         """``step.init(params)``."""
@@ -86,14 +94,22 @@ class OverlappedStep:
         # passed through last time (ready), so that the step does not wait for the exchange.
         held = {f: v for f, v in self._in_flight.items() if f not in landing}
         state = self._with(opt_state, {f: v[1] for f, v in held.items()}) if held else opt_state
-        params, new_state, metrics = self.step(params, state, batch)
-        for f in landing:
-            self._in_flight.pop(f, None)
-        placeholders = {f: self._pieces(new_state, f) for f in held}
-        outgoing = {f: self._launch(new_state, f) for f in self.exchange.launches_after(t)}
-        self._in_flight = {f: (held[f][0], placeholders[f]) for f in held}
-        self._in_flight.update({f: (results, self._pieces(new_state, f)) for f, results in outgoing.items()})
-        new_state = self._with(new_state, {f: v[0] for f, v in self._in_flight.items()})
+        due = [f for f in self._due if f not in landing]  # else the applying step exchanges it itself
+        if due:
+            (params, new_state, metrics), results = self.step.call_with(
+                params, state, batch, *self._fused(state, due)
+            )
+        else:
+            (params, new_state, metrics), results = self.step(params, state, batch), ()
+        flight = {f: (held[f][0], self._pieces(new_state, f)) for f in held}
+        flight.update({f: (self._landed(r), self._pieces(new_state, f)) for f, r in zip(due, results)})
+        launches = self.exchange.launches_after(t)
+        if self.comm_mesh is None:
+            self._due = launches
+        else:
+            flight.update({f: (self._launch(new_state, f), self._pieces(new_state, f)) for f in launches})
+        self._in_flight = flight
+        new_state = self._with(new_state, {f: v[0] for f, v in flight.items()})
         self._count, self._last = t + 1, new_state
         return params, new_state, metrics
 
@@ -101,7 +117,7 @@ class OverlappedStep:
         """The 0-based number of the step about to run (read from the state when it is not ours)."""
         if opt_state is self._last and self._count is not None:
             return self._count
-        self._in_flight = {}  # a state from elsewhere (a restore): its exchanges are done
+        self._in_flight, self._due = {}, []  # a state from elsewhere (a restore): its exchanges are done
         return int(np.asarray(jax.device_get(self.exchange.find(opt_state).count)).reshape(-1)[0])
 
     def _pieces(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
@@ -117,26 +133,43 @@ class OverlappedStep:
         new = s._replace(pending=tuple(pend), aggregate_states=tuple(agg), exchanged=tuple(exch))
         return self.exchange.replace(opt_state, new)
 
+    def _landed(self, result: tuple[Any, Any]) -> tuple[Any, Any, Any]:
+        """An exchange's (pending, aggregate state) with the flag saying it is done."""
+        return result[0], result[1], jax.device_put(np.ones((), bool), NamedSharding(self.step.mesh, P()))
+
+    def _args(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
+        """The exchange's inputs: (outbox, aggregate state, anchor) of fragment ``f``."""
+        s = self.exchange.find(opt_state)
+        leaves = jax.tree.leaves(s.anchor)
+        anchor_f = [leaves[i] for i in self.exchange.fragments(s.anchor)[f]]
+        return s.outbox[f], s.aggregate_states[f], anchor_f
+
     def _launch(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
         """Dispatches fragment ``f``'s exchange on ``comm_mesh``; its results, back on the step's mesh."""
-        s = self.exchange.find(opt_state)
-        groups = self.exchange.fragments(s.anchor)
-        anchor_f = [jax.tree.leaves(s.anchor)[i] for i in groups[f]]
-        args = (s.outbox[f], s.aggregate_states[f], anchor_f)
-        program = self._program(f, args, s.pending[f])
-        pend, agg = program(*jax.tree.map(lambda x: _move(x, self.comm_mesh), args))
-        back = jax.tree.map(lambda x: _move(x, self.step.mesh), (pend, agg))
-        done = jax.device_put(np.ones((), bool), NamedSharding(self.step.mesh, P()))
-        return back[0], back[1], done
+        args = self._args(opt_state, f)
+        program = self._program(f, args, self._pieces(opt_state, f)[0], self.comm_mesh)
+        result = program(*jax.tree.map(lambda x: _move(x, self.comm_mesh), args))
+        return self._landed(jax.tree.map(lambda x: _move(x, self.step.mesh), result))
 
-    def _program(self, f: int, args: Any, pending: Any) -> Any:
-        key = (f, jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
+    def _fused(self, opt_state: Any, due: list[int]) -> tuple[Any, tuple[Any, ...]]:
+        """(function, arguments) of the exchanges of ``due``, to run inside the next step's program."""
+        args = tuple(self._args(opt_state, f) for f in due)
+        mesh = self.step.mesh
+        programs = [self._program(f, a, self._pieces(opt_state, f)[0], mesh) for f, a in zip(due, args)]
+        key = ("fused", tuple(due), tuple(map(id, programs)))
         if key not in self._programs:
-            self._programs[key] = self._build(f, args, pending)
+            self._programs[key] = lambda *a: tuple(prog(*x) for prog, x in zip(programs, a))
+        return self._programs[key], args
+
+    def _program(self, f: int, args: Any, pending: Any, mesh: jax.sharding.Mesh) -> Any:
+        shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
+        key = (f, id(mesh), jax.tree.structure(args), shapes)
+        if key not in self._programs:
+            self._programs[key] = self._build(f, args, pending, mesh)
         return self._programs[key]
 
-    def _build(self, f: int, args: Any, pending: Any) -> Any:
-        """The exchange program: ``(outbox_f, aggregate_state_f, anchor_f) -> (pending_f, aggregate_state_f)``."""
+    def _build(self, f: int, args: Any, pending: Any, mesh: jax.sharding.Mesh) -> Any:
+        """The exchange program on ``mesh``: ``(outbox_f, aggregate_state_f, anchor_f) -> (pending_f, aggregate_state_f)``."""
         data = base.axis_names(self.exchange.axis_name)
         mask = jax.tree.map(lambda x: _stacked(x, data), args)
         out_mask = (jax.tree.map(lambda x: _stacked(x, data), pending), mask[1])
@@ -150,47 +183,54 @@ class OverlappedStep:
             out = [comm.to_varying(x, data) if m else x for x, m in zip(out, out_mask[0])]
             return layout.add_rows((out, new_agg), out_mask)
 
-        model_axes = set(self.comm_mesh.axis_names) - set(data)
-        manual = {"axis_names": set(data)} if model_axes else {}
-        fn = jax.shard_map(
-            body, mesh=self.comm_mesh, in_specs=specs, out_specs=out_specs, check_vma=True, **manual
-        )
-        out_shardings = jax.tree.map(
-            lambda x: NamedSharding(self.comm_mesh, x.sharding.spec), (list(pending), args[1])
-        )
+        manual = {"axis_names": set(data)} if set(mesh.axis_names) - set(data) else {}
+        fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=True, **manual)
+        out_shardings = jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec), (list(pending), args[1]))
         return jax.jit(fn, out_shardings=out_shardings)
 
 
-def overlapped_step(step: Any, *, comm_mesh: jax.sharding.Mesh, diloco: Any = None) -> OverlappedStep:
-    r"""Runs ``step``'s DiLoCo exchanges on ``comm_mesh`` while the next inner steps compute.
+def overlapped_step(
+    step: Any, *, comm_mesh: jax.sharding.Mesh | None = None, diloco: Any = None
+) -> OverlappedStep:
+    r"""Runs ``step``'s DiLoCo exchanges while the next inner steps compute.
 
     ``step`` is a :func:`jaxopt_dist.data_parallel_step` (``per_worker_params=True``)
     whose transformation is, or contains, a
     :func:`jaxopt_dist.diloco` made with ``overlap=True`` (Streaming DiLoCo
     with ``sync_delay >= 1``, or ``eager=True``). After the step that takes a
     fragment's pseudo-gradient, its exchange (the transform's ``aggregate``)
-    is dispatched as a program of its own on ``comm_mesh``; the following
-    steps run on the step's mesh without waiting for it, and the step that
-    applies the fragment (``sync_delay`` steps later; a whole period later
-    under ``eager``) reads the result. Dispatch is asynchronous throughout:
-    the host never waits for the link, only the applying step does, if the
-    exchange has not finished by then.
+    runs beside the following inner steps, and the step that applies the
+    fragment (``sync_delay`` steps later; a whole period later under
+    ``eager``) reads the result. Dispatch is asynchronous throughout: the
+    host never waits for the link, only the applying step does, if the
+    exchange has not finished by then. Two ways to run the exchange:
 
-    On XLA:CPU a collective runs beside compute only on a device of its own:
-    start each process with ``--xla_force_host_platform_device_count=2``,
-    build the step's mesh from each process's first device and ``comm_mesh``
-    from its second (same axis names and shape). The parameters, the numbers
-    and the state are those of ``step`` alone (which exchanges a fragment
-    inside its applying step where nobody did): replicas stay bit-identical,
-    and the state this returns is the true state (a leaf still being
-    exchanged is an array not yet ready; saving it waits for it), so
-    checkpoints and resumes are exact. A state that did not come from this
-    runner's last call (a restored one) is taken as it is, with no exchange
-    in flight.
+    * ``comm_mesh`` (a mesh with the step mesh's axis names and shape, on
+      other devices): as a program of its own there. This is what hides the
+      link on XLA:CPU, where a collective runs beside compute only on a
+      device of its own: start each process with
+      ``--xla_force_host_platform_device_count=2``, build the step's mesh
+      from each process's first device and ``comm_mesh`` from its second.
+    * ``comm_mesh=None``: fused into the program of the next inner step (the
+      exchange needs nothing that step computes, and sits outside any
+      conditional), where GPU and TPU compilers may schedule its collectives
+      asynchronously around the forward and backward passes
+      (``benchmarks/hlo_overlap.py`` shows what they do). On one CPU device
+      it runs serially, as inside the step. With ``sync_delay=1`` the
+      applying step is the next one, so nothing is overlapped.
+
+    The parameters, the numbers and the state are those of ``step`` alone
+    (which exchanges a fragment inside its applying step where nobody did):
+    replicas stay bit-identical, and the state this returns is the true
+    state (a leaf still being exchanged is an array not yet ready; saving it
+    waits for it), so checkpoints and resumes are exact. A state that did not
+    come from this runner's last call (a restored one) is taken as it is,
+    with no exchange in flight.
 
     Args:
       step: a :func:`jaxopt_dist.data_parallel_step` with per-worker params.
-      comm_mesh: the devices the exchanges run on.
+      comm_mesh: the devices the exchanges run on; None: inside the next
+        step's program.
       diloco: the ``diloco(..., overlap=True)`` transformation, when ``step``'s
         transformation is a chain containing it (default: ``step.tx``).
 

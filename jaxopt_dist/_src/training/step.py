@@ -312,6 +312,35 @@ class DataParallelStep(runner.RunsSteps):
         return jax.jit(fn, donate_argnums=(0, 1) if self.donate else (), **kw), shardings
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        fn, shardings = self._compiled(params, opt_state, batch)
+        out = self._runner.dispatch(fn, (params, opt_state, batch), shardings, batch=2)
+        self._runner.throttle(out[2]["loss"])
+        return out
+
+    def call_with(
+        self, params: Any, opt_state: Any, batch: Any, extra: Callable[..., Any], extra_args: tuple[Any, ...]
+    ) -> tuple[tuple[Any, Any, dict[str, Any]], Any]:
+        """The step and ``extra(*extra_args)`` as one program: ``(step's outputs, extra's outputs)``.
+
+        ``extra`` is a jittable function of arrays already placed on the
+        step's mesh, independent of the step (e.g. an exchange of
+        :func:`overlapped_step`): in one program, the compiler may run its
+        collectives beside the step's compute (asynchronous collectives on
+        GPU and TPU). Compiled once per ``extra`` and shapes.
+        """
+        fn, shardings = self._compiled(params, opt_state, batch)
+        key = ("with", extra, runner.shape_key((params, opt_state, batch, extra_args)))
+        fused = self._runner.cached(key, lambda: jax.jit(lambda p, s, b, *e: (fn(p, s, b), extra(*e))))
+        placed = jax.tree.map(lambda x: x.sharding, extra_args)
+        args, all_shardings = (params, opt_state, batch, *extra_args), (*shardings, *placed)
+        out, extra_out = self._runner.dispatch(fused, args, all_shardings, batch=2)
+        self._runner.throttle(out[2]["loss"])
+        return out, extra_out
+
+    def _compiled(
+        self, params: Any, opt_state: Any, batch: Any
+    ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """The jitted step for these shapes and its argument shardings (built once)."""
         # The state's shapes are in the key too: a state laid out for another number of
         # workers misses the cache and is rejected below instead of being recompiled for.
         key = ("step", runner.shape_key((params, opt_state, batch)))
@@ -326,10 +355,7 @@ class DataParallelStep(runner.RunsSteps):
             layout.check_batch(batch, split)
             return self._build(params, batch)
 
-        fn, shardings = self._runner.cached(key, build)
-        out = self._runner.dispatch(fn, (params, opt_state, batch), shardings, batch=2)
-        self._runner.throttle(out[2]["loss"])
-        return out
+        return self._runner.cached(key, build)
 
     def _check_layouts(self, params: Any, opt_state: Any) -> None:
         """Rejects params or state laid out for another number of workers."""
