@@ -30,7 +30,11 @@ and the library's ``jd.data_parallel_step`` with
 ``jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, sync_delay=2)``
 on a 64-512-10 tanh MLP (per-worker params; ``diloco_step``), and the same
 with ``overlap=True`` and no runner (``diloco_overlap_inline``: the exchange
-then runs inside the step that applies it).
+then runs inside the step that applies it), and the program
+``jd.overlapped_step(step)`` (``comm_mesh=None``) runs on the inner step after
+the one that sends fragment 0: that step with the fragment's exchange fused
+in, outside any conditional (``diloco_overlap_fused``). "fwd/bwd" counts the
+compute between start and done that belongs to the forward/backward pass.
 
 Needs (not dependencies of the package; versions matching the installed jax)::
 
@@ -185,14 +189,38 @@ def _mlp_batch(mesh: Mesh, b: int):
     }
 
 
-def library(mesh: Mesh, hidden: int, b: int, overlap: bool):
+def _diloco(mesh: Mesh, hidden: int, b: int, overlap: bool):
     kw = {"overlap": True} if overlap else {}
     tx = jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, sync_delay=2, **kw)
     step = jd.data_parallel_step(_common.mlp_loss, tx, mesh=mesh, per_worker_params=True)
     params, state = step.abstract_init(_common.mlp_init(hidden=hidden))
-    batch = _mlp_batch(mesh, b)
+    return step, (params, state, _mlp_batch(mesh, b))
+
+
+def library(mesh: Mesh, hidden: int, b: int, overlap: bool):
+    step, (params, state, batch) = _diloco(mesh, hidden, b, overlap)
     fn, _ = step._build(params, batch)  # the step's jitted function, as step(...) compiles it
     return fn, (params, state, batch)
+
+
+def library_fused(mesh: Mesh, hidden: int, b: int):
+    """The program ``overlapped_step(step)`` (``comm_mesh=None``) runs on the step after fragment 0 is sent.
+
+    That step (inner step 2 of 8: fragment 0 is sent by step 1 and applied by
+    step 3) is the step's program with fragment 0's exchange (the mean
+    all-reduce of its outbox) fused in, unconditionally. Built as
+    ``DataParallelStep.call_with`` builds it, from the private pieces
+    ``step._compiled`` and ``OverlappedStep._fused``: the runner has no public
+    handle on its compiled programs, and a benchmark may reach in.
+    """
+    step, (params, state, batch) = _diloco(mesh, hidden, b, overlap=True)
+    run = jd.overlapped_step(step)
+    sent = run.exchange.launch_phase[0]  # the inner step whose state holds fragment 0's outbox
+    assert 0 in run.exchange.launches_after(sent) and 0 not in run.exchange.lands_at(sent + 1)
+    step_fn, _ = step._compiled(params, state, batch)
+    extra, extra_args = run._fused(state, [0])
+    fn = jax.jit(lambda p, s, b, *e: (step_fn(p, s, b), extra(*e)))
+    return fn, (params, state, batch, *extra_args)
 
 
 def has_overlap() -> bool:
@@ -200,6 +228,14 @@ def has_overlap() -> bool:
     import inspect
 
     return "overlap" in inspect.signature(jd.diloco).parameters
+
+
+def has_fused() -> bool:
+    """Whether this jaxopt_dist's ``overlapped_step`` can fuse the exchange into the next step (``comm_mesh=None``)."""
+    import inspect
+
+    run = getattr(jd, "overlapped_step", None)
+    return run is not None and inspect.signature(run).parameters["comm_mesh"].default is None
 
 
 # ----------------------------------------------------------------------------
@@ -300,6 +336,11 @@ def _uses(x: Instr, name: str) -> bool:
     return re.search(f"%{re.escape(name)}(?![\\w.\\-])", x.text) is not None
 
 
+def _forward_backward(x: Instr) -> bool:
+    """Whether ``x`` computes the loss or its gradient (its JAX op name is under ``jvp(...)``)."""
+    return re.search(r'op_name="[^"]*jvp\(', x.text) is not None
+
+
 def _async_pair(comps: dict[str, list[Instr]], ins: Instr):
     """(label, is-its-done predicate) when ``ins`` starts an asynchronous collective, else None."""
     base = ins.op.removesuffix("-start")
@@ -329,14 +370,15 @@ class Row:
     where: str
     is_async: bool
     between: list[str]
+    grad: int = 0  # how many of ``between`` are the forward/backward pass (jvp / transpose(jvp) ops)
 
     def cells(self) -> list[str]:
         if not self.is_async:
-            return [self.collective, self.where, "no", "-", ""]
+            return [self.collective, self.where, "no", "-", "-", ""]
         names = ", ".join(self.between[:6]) + (
             f", ... (+{len(self.between) - 6})" if len(self.between) > 6 else ""
         )
-        return [self.collective, self.where, "yes", str(len(self.between)), names]
+        return [self.collective, self.where, "yes", str(len(self.between)), str(self.grad), names]
 
 
 def collectives(hlo: str) -> list[Row]:
@@ -354,10 +396,9 @@ def collectives(hlo: str) -> list[Row]:
                 continue
             label, is_done = pair
             j = next((k for k in range(i + 1, len(seq)) if is_done(seq[k])), len(seq))
-            between = [
-                x.name if x.op == "fusion" else f"{x.op}:{x.name}" for x in seq[i + 1 : j] if x.op in COMPUTE
-            ]
-            rows.append(Row(label, where, True, between))
+            ops = [x for x in seq[i + 1 : j] if x.op in COMPUTE]
+            between = [x.name if x.op == "fusion" else f"{x.op}:{x.name}" for x in ops]
+            rows.append(Row(label, where, True, between, sum(map(_forward_backward, ops))))
     return rows
 
 
@@ -375,6 +416,8 @@ def programs(args) -> dict[str, object]:
     }
     if has_overlap():
         out["diloco_overlap_inline"] = lambda m: library(m, args.hidden, b, overlap=True)
+    if has_fused():
+        out["diloco_overlap_fused"] = lambda m: library_fused(m, args.hidden, b)
     return out
 
 
@@ -395,13 +438,13 @@ def report(target: str, mesh: Mesh, args) -> None:
         rows = collectives(hlo)
         print(
             _common.markdown_header(
-                ["collective", "where", "async?", "compute between", "ops between"], "lllrl"
+                ["collective", "where", "async?", "compute between", "of it fwd/bwd", "ops between"], "lllrrl"
             )
         )
         for row in rows:
             print(_common.markdown_row(row.cells()))
         if not rows:
-            print(_common.markdown_row(["(none)", "", "", "", ""]))
+            print(_common.markdown_row(["(none)", "", "", "", "", ""]))
 
 
 # XLA:GPU all-reduces small buffers with a one-shot Triton kernel (a "fusion-start"); gpu-nccl turns it
