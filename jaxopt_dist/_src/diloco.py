@@ -307,6 +307,32 @@ def diloco(
     ``tau`` steps (dropped at :math:`\alpha = 0`). The anchor is never
     blended.
 
+    ``overlap=True`` (with ``sync_delay >= 1`` or ``eager``) keeps the
+    numbers and moves the bytes off the step that takes the pseudo-gradient:
+    that step only stores the worker's own value in the state's ``outbox``,
+    and the exchange (``aggregate``) runs later, either beside the next
+    inner steps, run by :func:`overlapped_step` (on a mesh of its own, or
+    inside the next step's program), or, where nothing ran it, inside the
+    step that applies it. The sum on the clock is then the slower of the
+    wire and those steps' compute instead of both.
+
+    ``eager=True`` (Kale, Douillard and Donchev 2025, one outer step of
+    overlap): the exchange of a synchronisation's pseudo-gradients has until
+    the fragment's next synchronisation, a whole period; meanwhile each
+    worker steps its outer optimizer with its own fresh pseudo-gradient in
+    place of its stale share,
+
+    .. math::
+      D_i(t) = \Delta(t-1) + \tfrac{1}{M}\big(\Delta_i(t) - \Delta_i(t-1)\big),
+
+    with :math:`\Delta(t-1)` the aggregate of the previous
+    synchronisation's :math:`\Delta_i(t-1)` (zero before the first) and
+    ``M`` the number of workers. The replicas then differ slightly: anchors
+    and outer states are per-worker. The paper's algorithm box could not be
+    read; this is the rule its text and tables state (its "eager" row),
+    not the naive delayed variant that applies :math:`\Delta(t-1)` alone.
+    Works with fragments; ``sync_delay`` must be 0.
+
     ``sync_every``, ``num_fragments`` and ``sync_delay`` set the control
     flow: under :func:`optax.inject_hyperparams` pass them in
     ``static_args``; ``mixing`` may be injected.
@@ -329,10 +355,17 @@ def diloco(
       mixing: ``alpha`` in [0, 1], a float or a schedule of the step count.
       fragment_assignment: ``"strided"`` or ``"contiguous"``
         (see :func:`diloco_fragments`).
+      overlap: leave each exchange to :func:`overlapped_step` (or to the
+        applying step); needs ``sync_delay >= 1`` or ``eager``. The returned
+        transformation's ``exchange`` (an :class:`OuterExchange`) tells the
+        runner when.
+      eager: eager updates (above): per-worker outer steps, each exchange
+        landing one period late.
       axis_name: the mapped axis (or tuple of axes) of the workers.
 
     Returns:
-      A :class:`optax.GradientTransformationExtraArgs` whose state is a
+      A :class:`DiLoCoTransformation` (an
+      :class:`optax.GradientTransformationExtraArgs`) whose state is a
       :class:`DiLoCoState`; ``update`` needs ``params``.
 
     Communication:
@@ -344,7 +377,14 @@ def diloco(
       per step; the peak step sends one fragment's share (see
       :attr:`CommunicationCost.peak_sent_bytes`). Output updates and
       ``inner_state`` are per-worker; ``count``, ``anchor``,
-      ``outer_states`` and ``pending`` are replicated.
+      ``outer_states`` and ``pending`` are replicated (``anchor`` and
+      ``outer_states`` per-worker under ``eager``). Under ``overlap`` the
+      step itself sends a fragment's bytes only where no runner exchanged
+      it, on its applying step (which is where :func:`communication_cost`
+      counts them; price an overlapped schedule from the ``overlap=False``
+      cost with :func:`project_step_time`'s ``overlap_steps``: ``tau``, or
+      ``H`` under ``eager``). ``eager`` sends what DiLoCo sends, at the same
+      steps.
 
     Sharded parameters:
       Elementwise in its own arithmetic: the anchor, the pending
