@@ -34,10 +34,10 @@ class DiLoCoState(NamedTuple):
     Attributes:
       count: int32[], inner steps taken; replicated.
       anchor: the global parameters of the last synchronisation of each
-        fragment, like params; replicated.
+        fragment, like params; replicated (per-worker under ``eager``).
       inner_state: the inner optimizer's state; per-worker (never reset).
       outer_states: one outer-optimizer state per fragment, over that
-        fragment's leaves (a list); replicated.
+        fragment's leaves (a list); replicated (per-worker under ``eager``).
       aggregate_states: one ``aggregate`` state per fragment (compressor
         residuals are per-worker).
       pending: one list per fragment of the aggregated pseudo-gradient

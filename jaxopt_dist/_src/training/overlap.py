@@ -37,12 +37,26 @@ def _stacked(x: Any, data_axes: tuple[Any, ...]) -> bool:
     return bool(len(spec)) and bool(set(base.axis_names(spec[0]) if spec[0] else ()) & set(data_axes))
 
 
-def _move(x: jax.Array, mesh: jax.sharding.Mesh) -> jax.Array:
-    """``x`` on ``mesh`` (same axes and shape, other devices), shard by shard, each on its own process."""
-    src = x.sharding
-    to_device = dict(zip(src.mesh.devices.flat, mesh.devices.flat))
-    shards = [jax.device_put(s.data, to_device[s.device]) for s in x.addressable_shards]
-    return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(mesh, src.spec), shards)
+def _move(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``tree``'s arrays on ``mesh`` (same axes and shape, other devices): each process copies its own
+    shards, all in one asynchronous ``device_put``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    to_device = dict(zip(leaves[0].sharding.mesh.devices.flat, mesh.devices.flat))
+    shards = [list(x.addressable_shards) for x in leaves]
+    moved = iter(
+        jax.device_put(
+            [s.data for ss in shards for s in ss], [to_device[s.device] for ss in shards for s in ss]
+        )
+    )
+    out = [
+        jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(mesh, x.sharding.spec), [next(moved) for _ in ss]
+        )
+        for x, ss in zip(leaves, shards)
+    ]
+    return jax.tree.unflatten(treedef, out)
 
 
 def _check_meshes(mesh: jax.sharding.Mesh, comm_mesh: jax.sharding.Mesh) -> None:
@@ -126,6 +140,8 @@ class OverlappedStep:
         return s.pending[f], s.aggregate_states[f], s.exchanged[f]
 
     def _with(self, opt_state: Any, pieces: dict[int, tuple[Any, Any, Any]]) -> Any:
+        if not pieces:
+            return opt_state
         s = self.exchange.find(opt_state)
         pend, agg, exch = list(s.pending), list(s.aggregate_states), list(s.exchanged)
         for f, (p, a, e) in pieces.items():
@@ -148,8 +164,8 @@ class OverlappedStep:
         """Dispatches fragment ``f``'s exchange on ``comm_mesh``; its results, back on the step's mesh."""
         args = self._args(opt_state, f)
         program = self._program(f, args, self._pieces(opt_state, f)[0], self.comm_mesh)
-        result = program(*jax.tree.map(lambda x: _move(x, self.comm_mesh), args))
-        return self._landed(jax.tree.map(lambda x: _move(x, self.step.mesh), result))
+        result = program(*_move(args, self.comm_mesh))
+        return self._landed(_move(result, self.step.mesh))
 
     def _fused(self, opt_state: Any, due: list[int]) -> tuple[Any, tuple[Any, ...]]:
         """(function, arguments) of the exchanges of ``due``, to run inside the next step's program."""

@@ -180,6 +180,7 @@ class DataParallelStep(runner.RunsSteps):
     max_steps_in_flight: int | None = None
     param_specs: Any = None
     batch_axes: tuple[Any, ...] = ()
+    reduce_metrics: bool = True
     _runner: runner.StepRunner = dataclasses.field(init=False, repr=False)
 
     def placement(self, params: Any) -> placement.Placement:
@@ -255,6 +256,7 @@ class DataParallelStep(runner.RunsSteps):
 
     def _body(self, mask: Any) -> Callable[..., Any]:
         axis_name, tx, has_aux, per_worker = self.axis_name, self.tx, self.has_aux, self.per_worker_params
+        reduce_metrics = self.reduce_metrics
         loss_fn, loss_scale = self.loss_fn, self.loss_scale
 
         def body(params, opt_state, batch):
@@ -279,9 +281,13 @@ class DataParallelStep(runner.RunsSteps):
                 aux = None
             updates, s2 = tx.update(grads, s, p, value=loss, value_fn=value_fn)
             new_p = apply_updates(p, updates)
-            metrics = {"loss": comm.pmean(loss if scale is None else loss / scale, axis_name)}
+            metrics = {"loss": loss if scale is None else loss / scale}
             if has_aux:
-                metrics["aux"] = comm.pmean(aux, axis_name)
+                metrics["aux"] = aux
+            if reduce_metrics:  # one pmean each, as before the option existed (the compiled step is unchanged)
+                metrics = {k: comm.pmean(v, axis_name) for k, v in metrics.items()}
+            else:
+                metrics = layout.add_rows(metrics)
             return (layout.add_rows(new_p) if per_worker else new_p), layout.add_rows(s2, mask), metrics
 
         return body
@@ -296,7 +302,7 @@ class DataParallelStep(runner.RunsSteps):
             self._body(self.placement(local).per_worker),
             mesh=self.mesh,
             in_specs=(p_spec, s_spec, b_spec),
-            out_specs=(p_spec, s_spec, P()),
+            out_specs=(p_spec, s_spec, self._metrics_spec()),
             check_vma=True,
             **manual,
         )
@@ -307,9 +313,12 @@ class DataParallelStep(runner.RunsSteps):
             jax.tree.map(lambda _: jax.sharding.NamedSharding(self.mesh, batch_spec), batch),
         )
         # With model axes, the outputs keep the inputs' shardings (the compiler could pick others).
-        out = (*shardings[:2], jax.sharding.NamedSharding(self.mesh, P()))
+        out = (*shardings[:2], jax.sharding.NamedSharding(self.mesh, self._metrics_spec()))
         kw: dict[str, Any] = {"out_shardings": out} if p_model is not None else {}
         return jax.jit(fn, donate_argnums=(0, 1) if self.donate else (), **kw), shardings
+
+    def _metrics_spec(self) -> P:
+        return P() if self.reduce_metrics else layout.data_spec(self.axis_name)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         fn, shardings = self._compiled(params, opt_state, batch)
@@ -377,6 +386,7 @@ def data_parallel_step(
     max_steps_in_flight: int | None = None,
     param_specs: Any = None,
     batch_axes: base.AxisName | None = None,
+    reduce_metrics: bool = True,
 ) -> DataParallelStep:
     r"""Builds a jitted data-parallel training step over ``mesh``.
 
@@ -434,6 +444,12 @@ def data_parallel_step(
       batch_axes: model axes that also split the batch, e.g. ``"fsdp"`` for
         FSDP (the batch's leading axis is then split over the data axes and
         these). None: the data axes alone.
+      reduce_metrics: average ``metrics`` over the workers (one small
+        all-reduce every step). False: each worker's own, stacked over the
+        data axes (``metrics["loss"]`` has one entry per worker), and the step
+        sends nothing beyond what ``tx`` sends: DiLoCo's inner steps then
+        send nothing at all, so no per-step message queues on a slow link
+        behind an exchange that :func:`overlapped_step` runs beside them.
 
     Returns:
       A :class:`DataParallelStep`: ``step(params, opt_state, batch) ->
@@ -494,4 +510,5 @@ def data_parallel_step(
         max_steps_in_flight=max_steps_in_flight,
         param_specs=param_specs,
         batch_axes=batch_axes,
+        reduce_metrics=bool(reduce_metrics),
     )
