@@ -28,18 +28,24 @@ no model axis); device 1 of each forms the communication mesh of the
 overlapped rows, whose exchanges run there while device 0 computes the next
 inner steps. Each process is pinned to a core of its own (``--pin``).
 
-Each row is trained once per rate, from the same initialisation: on the
-bare loopback (the no-link baseline of the compute utilization) and at each
-shaped rate (``--rates``), the compiled programs kept between rates, in
-alternating segments of ``--eval-every`` steps (a segment at every rate in
-turn), so that a drift of the shared machine's speed moves every rate's
-timing together. The clock runs only around the inner steps (a warm-up of
-``H`` steps compiles every program first and is not counted); at the end of
-a segment every output is waited for on the clock (the optimizer state too:
-an exchange still in flight), then the validation loss is read with the
-clock stopped (of the global parameters: the anchor for the per-worker
-rows, the mean of the per-worker anchors for ``eager``); a segment starts
-with both processes joined and the token bucket emptied.
+Each row is trained once per rate, from the same initialisation, the
+compiled programs kept between rates. First on the bare loopback (the
+no-link baseline of the compute utilization), stopping every
+``--eval-every`` steps for the validation loss (of the global parameters:
+the anchor for the per-worker rows, the mean of the per-worker anchors for
+``eager``), with the clock stopped after every output is waited for on it
+(an exchange still in flight too). Then at each shaped rate (``--rates``)
+all its steps as one timed stretch, so that an exchange in flight keeps
+overlapping the next inner steps as in training (the clock waits for the
+last one at the end); its validation losses are the bare run's at the same
+steps (the numbers do not depend on the link: the final loss is measured at
+every rate and must be equal), at the clock the rate's run had reached
+there. The clock runs only around the inner steps (a warm-up of ``H`` steps
+compiles every program first and is not counted); each run starts with
+both processes joined and the token bucket emptied. The steps are built
+with ``reduce_metrics=False``: no per-step all-reduce of the loss, so an
+inner step of the DiLoCo family sends nothing and nothing queues on the
+link behind an exchange.
 
 Columns (one table per rate): seconds per inner step (median, mean);
 compute utilization (the row's bare-loopback wall time over its linked wall
@@ -58,15 +64,17 @@ The bytes from ``communication_cost`` count the exchanges applied within
 the run: ``eager``'s exchanges of the last period, sent but applied after
 it, are in the loopback's count only.
 
-The token bucket of the shaped loopback (2 MiB, ``shaped_link.py``) refills
-between synchronisations, so a synchronisation whose bytes (both workers'
-together) fit in it crosses at the bare loopback's speed; the table's note
-lists the rows whose busiest step fits. With the default model the Streaming
-fragments (strided leaves: 0.40, 0.79, 1.05 and 1.08 MB per worker) are
-about the bucket's size (2 x 1.08 MB against 2.10 MB), so the streaming
-rows pay little for the link at 100 Mbit/s even without overlap; DiLoCo's
-and eager's whole-model exchange (2 x 3.3 MB) does not, nor does dense's
-per-step all-reduce.
+The token bucket of the shaped loopback holds ``--burst-ms`` milliseconds
+of traffic at the rate (10 ms: 125 kB at 100 Mbit/s; ``--burst-ms 0`` for the
+harness's 2 MiB, which would let a Streaming fragment of about 1 MB per
+worker cross at loopback speed after an idle spell); the table's note lists
+the rows whose busiest step still fits in it.
+
+The ``projected s/step`` column is :func:`jaxopt_dist.project_step_time`'s
+``wall_seconds``: the bytes of the row's ``overlap=False`` twin, the nominal
+rate shared by the two processes (each gets half: one shaped loopback), no
+latency, the row's bare-loopback mean step as ``compute_seconds``, and its
+overlap window (``tau``, ``H`` for eager, else 0).
 
 Goals reported against: Streaming DiLoCo with overlap at >= 0.9 compute
 utilization at 100 Mbit/s; every DiLoCo-family row >= 10x less wall time to
@@ -88,8 +96,10 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -146,8 +156,19 @@ def import_lm() -> Any:
 class Row:
     """One row: its label, ``make()`` (the optimizer), per-worker parameters, run by ``overlapped_step``."""
 
-    def __init__(self, label: str, make: Callable[[], Any], per_worker: bool, overlapped: bool = False):
+    def __init__(
+        self,
+        label: str,
+        make: Callable[[], Any],
+        per_worker: bool,
+        overlapped: bool = False,
+        priced: Callable[[], Any] | None = None,
+        window: int = 0,
+    ):
         self.label, self.make, self.per_worker, self.overlapped = label, make, per_worker, overlapped
+        # The projection prices ``priced()`` (the overlap=False twin: the bytes on the step that sends
+        # them), its exchanges awaited ``window`` steps later (project_step_time's overlap_steps).
+        self.priced, self.window = priced or make, window
 
 
 def rows(jd: Any, optax: Any, lm: Any, s: Any) -> dict[str, Row]:
@@ -165,6 +186,9 @@ def rows(jd: Any, optax: Any, lm: Any, s: Any) -> dict[str, Row]:
             **flags,
         )
 
+    def eager(**flags: Any) -> Any:
+        return jd.diloco(lm.adamw(s), sync_every=h, outer=lm.outer(s), num_fragments=fe, eager=True, **flags)
+
     stream = f"diloco(AdamW, H={h}, F={f}, tau={tau}, mixing={alpha})"
     return {
         "dense": Row("all_reduce() + AdamW", lambda: optax.chain(jd.all_reduce(), lm.adamw(s)), False),
@@ -173,15 +197,20 @@ def rows(jd: Any, optax: Any, lm: Any, s: Any) -> dict[str, Row]:
         ),
         "streaming": Row(stream, streaming, True),
         "streaming_overlap": Row(
-            stream[:-1] + ", overlap=True), comm mesh", lambda: streaming(overlap=True), True, True
+            stream[:-1] + ", overlap=True), comm mesh",
+            lambda: streaming(overlap=True),
+            True,
+            True,
+            priced=streaming,
+            window=tau,
         ),
         "eager": Row(
             f"diloco(AdamW, H={h}, F={fe}, eager=True, overlap=True), comm mesh",
-            lambda: jd.diloco(
-                lm.adamw(s), sync_every=h, outer=lm.outer(s), num_fragments=fe, eager=True, overlap=True
-            ),
+            lambda: eager(overlap=True),
             True,
             True,
+            priced=eager,
+            window=h,
         ),
         "sparseloco": Row(
             f"sparseloco(AdamW, H={h})", lambda: jd.sparseloco(lm.adamw(s), sync_every=h), True
@@ -316,20 +345,31 @@ def train_rates(
     enter: Any,
     rates: list[str],
 ) -> dict[str, dict[str, Any]]:
-    """One row at every rate from the same initialisation, in alternating segments of ``--eval-every`` steps.
+    """One row at every rate from the same initialisation: the bare loopback, then each rate.
 
-    Each segment is taken at every rate in turn (the bare loopback first), so
-    a drift of the shared machine's speed moves the timings of every rate
-    together instead of skewing their ratio (the compute utilization).
+    The bare-loopback run stops every ``--eval-every`` steps for the validation loss (clock
+    stopped, after waiting on the clock for any exchange in flight). Each shaped rate runs all
+    its steps as one timed stretch (an exchange in flight keeps overlapping the next steps, as in
+    training; the clock waits for the last one at the end) and its validation losses are the
+    bare run's: the numbers do not depend on the link (the final loss is measured at every rate
+    and checked equal). Its clock at an evaluation step is the sum of its step times up to there.
     """
     timed = [Timed(rate, *init(task.params), 0.0) for rate in rates]
     first = bpb(timed[0].params, timed[0].state)
-    for r in timed:
-        r.evals[0][2] = first
+    bare, linked = timed[0], timed[1:]
+    bare.evals[0][2] = first
     for start in range(0, args.steps, args.eval_every):
         batches = [task.batch(t) for t in range(start, min(start + args.eval_every, args.steps))]
-        for r in timed:
-            train_segment(args, jax, run, bpb, enter, r, batches, start)
+        train_segment(args, jax, run, bpb, enter, bare, batches, start)
+    for r in linked:
+        train_segment(args, jax, run, bpb, enter, r, [task.batch(t) for t in range(args.steps)], 0)
+        final = r.evals[-1][2]
+        if final != bare.evals[-1][2]:
+            raise RuntimeError(
+                f"{r.rate}: final loss {final} differs from the bare run's {bare.evals[-1][2]}"
+            )
+        clock = [0.0, *itertools.accumulate(r.times)]
+        r.evals = [[step, clock[step], loss] for step, _, loss in bare.evals]
     return {r.rate: r.record(args.shape) for r in timed}
 
 
@@ -342,7 +382,9 @@ def run_row(
 
     compute, comm = meshes_
     tx = row.make()
-    step = jd.data_parallel_step(task.loss, tx, mesh=compute, per_worker_params=row.per_worker)
+    step = jd.data_parallel_step(
+        task.loss, tx, mesh=compute, per_worker_params=row.per_worker, reduce_metrics=False
+    )
     run = jd.overlapped_step(step, comm_mesh=comm) if row.overlapped else step
     evaluate = jax.jit(
         lambda p, s, b: task.loss(global_model(jax, jnp, optax, task.lm, p, s, row.per_worker), b)
@@ -439,6 +481,44 @@ def wall_to(run: dict[str, Any], target: float | None) -> tuple[float | None, in
     return None, None
 
 
+def projections(res: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per shaped rate, per row: ``project_step_time``'s wall seconds per step (mean over the period).
+
+    Inputs: the row's bytes from ``communication_cost`` of its overlap=False twin, the link at the
+    nominal rate shared by the two processes (both send through one shaped loopback: each gets
+    rate / 2), no latency, the compute of one step measured on the bare loopback (its mean), and
+    the row's overlap window (``sync_delay`` for streaming_overlap, ``H`` for eager, 0 for the rest).
+    Computed here, in the launcher, from the saved configuration (``--from-json`` too).
+    """
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import optax
+    from flax import nnx
+
+    import jaxopt_dist as jd
+
+    lm = import_lm()
+    s = argparse.Namespace(**res["config"])
+    cfg = lm.GPTConfig(context=s.context, dim=s.dim, depth=s.depth, heads=s.heads)
+    params = jax.eval_shape(lambda: nnx.split(lm.build_model(cfg, s.seed), nnx.Param, ...)[1])
+    table = rows(jd, optax, lm, s)
+    out: dict[str, dict[str, float]] = {rate: {} for rate in res["rates"]}
+    for name, r in res["methods"].items():
+        row = table[name]
+        cost = lm.replica_axis_cost(row.priced(), params, argparse.Namespace(replicas=PROCS, steps=s.steps))
+        compute = statistics.mean(r["runs"]["unshaped"]["times_s"])
+        for rate in res["rates"]:
+            t = jd.project_step_time(
+                cost,
+                bandwidth_gbps=shaped_link.RATES[rate] / PROCS,
+                latency_us=0.0,
+                compute_seconds=compute,
+                overlap_steps=row.window,
+            )
+            out[rate][name] = t.wall_seconds
+    return out
+
+
 def summarize(res: dict[str, Any], target: float | None) -> dict[str, dict[str, dict[str, Any]]]:
     """Per rate, per row: the table's numbers."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -477,23 +557,27 @@ def print_tables(res: dict[str, Any], note: str, target: float | None = None, sl
         f"{res['train_bytes'] / 1e6:.2f} MB train, {res['val_bytes'] / 1e6:.2f} MB validation.\n{note}\n"
         f"target validation loss: {how}"
     )
-    burst = shaped_link.TBF_BURST_BYTES
-    fits = [n for n, r in res["methods"].items() if PROCS * r.get("peak_sent_bytes", math.inf) <= burst]
-    print(
-        f"token bucket {shaped_link.fmt_bytes(burst)}: the busiest step's bytes (both workers) fit in it, "
-        f"crossing unpaced when it has refilled: {', '.join(fits) or 'no row'}"
-    )
+    for rate in res.get("rates", []):
+        burst = shaped_link.burst_bytes(rate)
+        fits = [n for n, r in res["methods"].items() if PROCS * r.get("peak_sent_bytes", math.inf) <= burst]
+        print(
+            f"token bucket at {rate}: {shaped_link.fmt_bytes(burst)}; the busiest step's bytes (both workers) "
+            f"fit in it, crossing unpaced when it has refilled: {', '.join(fits) or 'no row'}"
+        )
     for name, why in res.get("skipped", {}).items():
         print(f"skipped {name}: {why}")
     numbers = summarize(res, goal)
+    projected = projections(res) if res["rates"] else {}
+    for rate, table in projected.items():
+        for name, wall in table.items():
+            numbers[rate][name]["projected_s"] = wall
     for rate, table in numbers.items():
         title = "bare loopback (the no-link baseline)" if rate == "unshaped" else f"link {rate}"
         print(f"\n### {title}\n")
         print(
             "| method | s/step median | s/step mean | utilization | B/worker (cost) | B/worker (lo) | "
-            "final bits/byte | vs dense | wall to target s | step | dense / row | dense / row at own loss |\n|---|"
-            + "---:|"
-            * 11
+            "final bits/byte | vs dense | wall to target s | step | dense / row | dense / row at own loss | "
+            "projected s/step | projected / mean |\n|---|" + "---:|" * 13
         )
         for name, n in table.items():
             r = res["methods"][name]
@@ -504,7 +588,8 @@ def print_tables(res: dict[str, Any], note: str, target: float | None = None, sl
                 f"{shaped_link.fmt_bytes(r['sent_bytes'])} | {'-' if lo is None else shaped_link.fmt_bytes(lo)} | "
                 f"{n['final_bpb']:.4f} | {_opt(n['vs_dense_loss'], '{:.3f}')} | {wall} | "
                 f"{n['step_to_target'] or '-'} | {_opt(n['x_dense'], '{:.1f}x')} | "
-                f"{_opt(n['x_dense_own'], '{:.1f}x')} |"
+                f"{_opt(n['x_dense_own'], '{:.1f}x')} | {_opt(n.get('projected_s'), '{:.4f}')} | "
+                f"{_opt(n.get('projected_s') and n['projected_s'] / n['mean_s'], '{:.2f}')} |"
             )
     print_goals(numbers)
 
@@ -520,6 +605,14 @@ def print_goals(numbers: dict[str, dict[str, dict[str, Any]]]) -> None:
     if at is None:
         print("- not measured (no shaped 100mbit run)")
         return
+    for rate, table in numbers.items():
+        off = {k: n["projected_s"] / n["mean_s"] - 1 for k, n in table.items() if n.get("projected_s")}
+        if off:
+            worst = max(off, key=lambda k: abs(off[k]))
+            ok = "met" if abs(off[worst]) <= 0.25 else "NOT met"
+            print(
+                f"- {rate}: project_step_time within 25% of the measured mean s/step: worst {worst} {off[worst]:+.0%} ({ok})"
+            )
     if "streaming_overlap" in at:
         u = at["streaming_overlap"]["utilization"]
         print(f"- streaming_overlap utilization >= 0.9: {u:.3f} ({'met' if u >= 0.9 else 'NOT met'})")
@@ -556,9 +649,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--target-slack", type=float, default=0.03, help="default target: dense's final x (1 + this)"
     )
+    p.add_argument(
+        "--burst-ms",
+        type=float,
+        default=10.0,
+        help="token bucket of this many ms of traffic at each rate (0: the harness's 2 MiB; default 10)",
+    )
     shaped_link.add_link_options(p)
     p.add_argument("--lm-worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    shaped_link.set_burst_ms(args.burst_ms or None)
     for name, (_, default, quick, _) in CONFIG.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
@@ -579,7 +679,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def worker_argv(args: argparse.Namespace, pid: int, coord: str | None, out: str) -> list[str]:
     """The command line of worker ``pid``: every CONFIG value explicit."""
-    extra = ["--methods", ",".join(args.methods), "--rates", ",".join(args.rates)]
+    extra = [
+        "--methods",
+        ",".join(args.methods),
+        "--rates",
+        ",".join(args.rates),
+        "--burst-ms",
+        str(args.burst_ms),
+    ]
     for name in CONFIG:
         extra += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return shaped_link.worker_argv(SCRIPT, args, "lm", PROCS, pid, coord, out, extra)

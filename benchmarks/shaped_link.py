@@ -146,9 +146,35 @@ if str(ROOT) not in sys.path:  # this checkout's jaxopt_dist (as the workers get
 RATES: dict[str, float | None] = {"100mbit": 0.1, "1gbit": 1.0, "10gbit": 10.0, "unshaped": None}
 """Rate name (tc syntax) -> Gbit/s; None is the bare loopback."""
 
-TC_SHAPE = "tbf rate {rate} burst 2mb latency 2s"
+TC_SHAPE = "tbf rate {rate} burst {burst} latency 2s"
 TBF_BURST_BYTES = 2 * 2**20
-"""The token bucket's depth: tc reads ``2mb`` as 2 MiB."""
+"""The token bucket's default depth: tc reads ``2mb`` as 2 MiB."""
+_BURST_MS: list[float | None] = [None]  # None: TBF_BURST_BYTES at every rate
+
+
+def set_burst_ms(ms: float | None) -> None:
+    """Sizes the token bucket to ``ms`` milliseconds of traffic at each rate (None: 2 MiB at every rate).
+
+    The default 2 MiB lets a message of up to 2 MiB through at loopback speed after an idle spell;
+    a bucket of a few milliseconds paces every message at the rate (tc needs at least one timer
+    tick of traffic: 10 ms is safe for any kernel HZ >= 100).
+    """
+    _BURST_MS[0] = ms
+
+
+def burst_bytes(rate: str) -> int:
+    """The token bucket's depth at ``rate`` (bytes)."""
+    gbps, ms = RATES[rate], _BURST_MS[0]
+    if ms is None or gbps is None:
+        return TBF_BURST_BYTES
+    return max(16 * 1024, int(gbps * 1e9 / 8 * ms / 1e3))
+
+
+def tc_shape(rate: str) -> str:
+    """The ``tc qdisc`` arguments that shape the loopback to ``rate``."""
+    return TC_SHAPE.format(rate=rate, burst=f"{burst_bytes(rate)}b")
+
+
 MALLOC_TUNABLE = "glibc.malloc.hugetlb=1"  # --malloc hugepages (module docstring)
 CLUSTER_NOTE = "cluster link (not shaped)"
 
@@ -173,7 +199,7 @@ def set_rate(rate: str) -> None:
     if RATES[rate] is None:
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)  # none: fine
         return
-    cmd = ["tc", "qdisc", "replace", "dev", "lo", "root", *TC_SHAPE.format(rate=rate).split()]
+    cmd = ["tc", "qdisc", "replace", "dev", "lo", "root", *tc_shape(rate).split()]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
@@ -182,7 +208,7 @@ def shaping_problem() -> str | None:
     for tool in ("unshare", "ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` not found (needs util-linux and iproute2)"
-    probe = "ip link set lo up && tc qdisc add dev lo root " + TC_SHAPE.format(rate="1gbit")
+    probe = "ip link set lo up && tc qdisc add dev lo root " + tc_shape("1gbit")
     r = subprocess.run(["unshare", "--net", "sh", "-c", probe], capture_output=True, text=True)
     if r.returncode != 0:
         return f"`unshare --net` + `tc` failed (needs root or CAP_NET_ADMIN): {r.stderr.strip()}"
@@ -585,7 +611,8 @@ def launch_note(args: argparse.Namespace, procs: int) -> str:
         note = f"SHAPING NOT PERMITTED ({problem}): every row is the bare loopback"
         print(f"warning: {note}", file=sys.stderr)
     else:
-        note = f"loopback shaped in a fresh network namespace: tc {TC_SHAPE.format(rate='R')}"
+        burst = "2mb" if _BURST_MS[0] is None else f"<{_BURST_MS[0]:g} ms of R>"
+        note = f"loopback shaped in a fresh network namespace: tc {TC_SHAPE.format(rate='R', burst=burst)}"
     args.malloc = resolve_malloc(args.malloc)
     return note + f"; malloc: {malloc_note(args.malloc)}; {pin_note(args.pin, procs)}; CPU: {cpu_model()}"
 
