@@ -189,10 +189,12 @@ def _mlp_batch(mesh: Mesh, b: int):
     }
 
 
-def _diloco(mesh: Mesh, hidden: int, b: int, overlap: bool):
+def _diloco(mesh: Mesh, hidden: int, b: int, overlap: bool, reduce_metrics: bool = True):
     kw = {"overlap": True} if overlap else {}
     tx = jd.diloco(optax.adamw(1e-3), sync_every=8, num_fragments=2, sync_delay=2, **kw)
-    step = jd.data_parallel_step(_common.mlp_loss, tx, mesh=mesh, per_worker_params=True)
+    step = jd.data_parallel_step(
+        _common.mlp_loss, tx, mesh=mesh, per_worker_params=True, reduce_metrics=reduce_metrics
+    )
     params, state = step.abstract_init(_common.mlp_init(hidden=hidden))
     return step, (params, state, _mlp_batch(mesh, b))
 
@@ -208,16 +210,20 @@ def library_fused(mesh: Mesh, hidden: int, b: int):
 
     That step (inner step 2 of 8: fragment 0 is sent by step 1 and applied by
     step 3) is the step's program with fragment 0's exchange (the mean
-    all-reduce of its outbox) fused in, unconditionally. Built as
+    all-reduce of its outbox) fused in, unconditionally. The step is built
+    with ``reduce_metrics=False`` (no per-step loss all-reduce for XLA to
+    combine the exchange with), and ``overlapped_step`` runs it with the
+    diloco that leaves every exchange to the runner (``OuterExchange.trusting``:
+    no collective inside the step's switch). Built as
     ``DataParallelStep.call_with`` builds it, from the private pieces
     ``step._compiled`` and ``OverlappedStep._fused``: the runner has no public
     handle on its compiled programs, and a benchmark may reach in.
     """
-    step, (params, state, batch) = _diloco(mesh, hidden, b, overlap=True)
-    run = jd.overlapped_step(step)
+    step, (params, state, batch) = _diloco(mesh, hidden, b, overlap=True, reduce_metrics=False)
+    run = jd.overlapped_step(step)  # runs run.step: the same step, its diloco without the fallback exchange
     sent = run.exchange.launch_phase[0]  # the inner step whose state holds fragment 0's outbox
     assert 0 in run.exchange.launches_after(sent) and 0 not in run.exchange.lands_at(sent + 1)
-    step_fn, _ = step._compiled(params, state, batch)
+    step_fn, _ = run.step._compiled(params, state, batch)
     extra, extra_args = run._fused(state, [0])
     fn = jax.jit(lambda p, s, b, *e: (step_fn(p, s, b), extra(*e)))
     return fn, (params, state, batch, *extra_args)

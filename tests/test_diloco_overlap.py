@@ -309,3 +309,23 @@ def test_reduce_metrics_false_sends_nothing_more(reduce_metrics):
     else:
         assert sum(counts.values()) == 0 and metrics["loss"].shape == (2,)
         np.testing.assert_allclose(np.asarray(metrics["loss"]), per_worker, rtol=1e-6)
+
+
+def test_fused_mode_leaves_no_collective_in_the_step():
+    """overlapped_step(step) runs its own exchange first, so the step it runs has no collective of its own
+    (none inside DiLoCo's switch, where GPU compilers could not overlap the fused exchange with compute)."""
+    mesh, _ = _meshes(2)
+    tx = jd.diloco(optax.adam(1e-2), sync_every=8, num_fragments=2, sync_delay=2, overlap=True)
+    step = jd.data_parallel_step(_loss, tx, mesh=mesh, per_worker_params=True, reduce_metrics=False)
+    run = jd.overlapped_step(step)
+    params, opt_state = run.init(_mlp_params())
+    batch = _batches(1, 2)[0]
+
+    def collectives(s):
+        fn, shardings = s._compiled(params, opt_state, batch)
+        text = helpers.compiled_text(fn, *jax.device_put((params, opt_state, batch), shardings))
+        return sum(helpers.count_collectives(text).values())
+
+    assert collectives(step) > 0  # the applying steps' own exchange, inside the switch
+    assert collectives(run.step) == 0 and run.trusting
+    assert not jd.overlapped_step(step, comm_mesh=_meshes(2)[1]).trusting

@@ -129,6 +129,12 @@ def _vma_matched_switch(index: jax.Array, branches: list[Any], operands: tuple, 
     residual, the local parameters) is marked per-worker in every branch, as
     ``shard_map(check_vma=True)`` requires of a switch.
     """
+    varying = _branches_varying(branches, operands, axis_name)
+    return jax.lax.switch(index, [_cast_varying(b, varying, axis_name) for b in branches], *operands)
+
+
+def _branches_varying(branches: list[Any], operands: tuple, axis_name: Any) -> list[bool]:
+    """Per output leaf: whether any of ``branches`` returns it per-worker (traced aside, not staged)."""
     record: list[list[bool]] = []
     for branch in branches:
 
@@ -138,18 +144,16 @@ def _vma_matched_switch(index: jax.Array, branches: list[Any], operands: tuple, 
             return out
 
         jax.make_jaxpr(probe)(*operands)
-    varying = [any(col) for col in zip(*record)]
+    return [any(col) for col in zip(*record)]
 
-    def matched(branch):
-        def run(*ops):
-            out = branch(*ops)
-            leaves, treedef = jax.tree.flatten(out)
-            leaves = [comm.to_varying(x, axis_name) if v else x for x, v in zip(leaves, varying)]
-            return jax.tree.unflatten(treedef, leaves)
 
-        return run
+def _cast_varying(branch: Any, varying: list[bool], axis_name: Any) -> Any:
+    def run(*ops):
+        leaves, treedef = jax.tree.flatten(branch(*ops))
+        leaves = [comm.to_varying(x, axis_name) if v else x for x, v in zip(leaves, varying)]
+        return jax.tree.unflatten(treedef, leaves)
 
-    return jax.lax.switch(index, [matched(b) for b in branches], *operands)
+    return run
 
 
 def _take(leaves: Sequence[Any], idx: Sequence[int]) -> list[Any]:
@@ -214,6 +218,12 @@ class OuterExchange:
         aggregate_state_f)``, per worker, inside a mapping of ``axis_name``:
         the same ``aggregate`` call the step would make itself.
       axis_name: the workers' axis.
+      trusting: the same transformation without the applying step's own
+        exchange of a fragment nobody exchanged (it reads ``pending`` as
+        it is): for a runner that always exchanges first, so that no
+        collective sits inside the step's ``lax.switch`` (which would keep
+        GPU compilers from overlapping the runner's fused exchange with
+        the step's compute).
     """
 
     sync_every: int
@@ -222,6 +232,7 @@ class OuterExchange:
     fragments: Callable[[Any], list[list[int]]]
     run: Callable[..., tuple[list[Any], Any]]
     axis_name: base.AxisName
+    trusting: Any = None
 
     def launches_after(self, step: int) -> list[int]:
         """The fragments whose exchange can start once inner step ``step`` (0-based) is done."""
@@ -456,132 +467,140 @@ def diloco(
         mean, new_agg = aggregate.update(list(pseudo), agg_state_f, list(anchor_f))
         return [m.astype(p.dtype) for m, p in zip(jax.tree.leaves(mean), pseudo)], new_agg
 
-    def update_fn(updates, state, params=None, **extra_args):
-        num_workers = comm.require_axis(axis_name, "diloco")
-        if params is None:
-            raise ValueError(base.no_params_message("diloco"))
-        count = state.count
-        inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        local = optax.apply_updates(params, inner_updates)
-        p_leaves, treedef = jax.tree.flatten(params)
-        groups = fragments(params)
-        alpha = None if no_mixing else base.resolve(mixing, count)
-        operands = _Carry(
-            x=treedef.flatten_up_to(local),
-            a=treedef.flatten_up_to(state.anchor),
-            outer_s=state.outer_states,
-            agg_s=state.aggregate_states,
-            pend=state.pending,
-            exch=state.exchanged,
-            out=state.outbox,
-        )
+    def make_update(fallback: bool):
+        """``update``; ``fallback=False``: the applying step trusts that the exchange has run
+        (``overlapped_step``'s fused mode, which then sees no collective inside the switch)."""
 
-        def communicate(f, pseudo, c):
-            delta, new_agg = exchange(f, pseudo, c.agg_s[f], _take(c.a, groups[f]))
-            new_agg = optax.tree.cast_like(new_agg, state.aggregate_states[f])
-            return delta, c._replace(agg_s=_put(c.agg_s, f, new_agg))
-
-        def resolve(f, c):
-            """The aggregate waiting in ``pend[f]``, exchanging it here if nobody has."""
-            if not overlap:
-                return list(c.pend[f]), c
-
-            def done(c):
-                return list(c.pend[f]), c
-
-            def here(c):
-                return communicate(f, c.out[f], c)
-
-            return _vma_matched_switch(jnp.where(c.exch[f], 0, 1), [done, here], (c,), axis_name)
-
-        def land(f, delta, c):
-            anchor_f = _take(c.a, groups[f])
-            step, new_outer = outer.update(delta, c.outer_s[f], anchor_f)
-            step = jax.tree.leaves(step)
-            x, a = list(c.x), list(c.a)
-            for j, i in enumerate(groups[f]):
-                a[i] = (anchor_f[j] + step[j]).astype(anchor_f[j].dtype)
-                x[i] = a[i] if alpha is None else ((1 - alpha) * a[i] + alpha * x[i]).astype(a[i].dtype)
-            new_outer = optax.tree.cast_like(new_outer, state.outer_states[f])
-            return c._replace(x=x, a=a, outer_s=_put(c.outer_s, f, new_outer))
-
-        def send_or_keep(f, pseudo, c):
-            """Stores the fragment's outgoing pseudo-gradient; exchanges it here unless ``overlap``."""
-            if overlap or eager:
-                c = c._replace(out=_put(c.out, f, comm.to_varying(list(pseudo), axis_name)))
-            if overlap:
-                return c._replace(exch=_put(c.exch, f, jnp.zeros([], bool)))
-            delta, c = communicate(f, pseudo, c)
-            return c._replace(pend=_put(c.pend, f, delta))
-
-        def pseudo_of(f, c):
-            return [(c.a[i] - c.x[i]).astype(c.a[i].dtype) for i in groups[f]]
-
-        def sync(f):
-            def branch(c):
-                delta, c = communicate(f, pseudo_of(f, c), c)
-                return land(f, delta, c)
-
-            return branch
-
-        def send(f):
-            return lambda c: send_or_keep(f, pseudo_of(f, c), c)
-
-        def apply(f):
-            def branch(c):
-                delta, c = resolve(f, c)
-                return land(f, delta, c)
-
-            return branch
-
-        def eager_sync(f):
-            def branch(c):
-                own = pseudo_of(f, c)
-                previous_mean, c = resolve(f, c)
-                delta = [
-                    (m + (o - p) / num_workers).astype(o.dtype)
-                    for m, o, p in zip(previous_mean, own, c.out[f])
-                ]
-                return send_or_keep(f, own, land(f, delta, c))
-
-            return branch
-
-        phase = count % sync_every
-        index = jnp.zeros([], jnp.int32)
-        if eager:
-            branches = [_local_only] + [eager_sync(f) for f in range(num_fragments)]
-            for f in range(num_fragments):
-                index = jnp.where(phase == apply_at[f], f + 1, index)
-        elif sync_delay == 0:
-            branches = [_local_only] + [sync(f) for f in range(num_fragments)]
-            for f in range(num_fragments):
-                index = jnp.where(phase == apply_at[f], f + 1, index)
-        else:
-            branches = (
-                [_local_only]
-                + [send(f) for f in range(num_fragments)]
-                + [apply(f) for f in range(num_fragments)]
+        def update_fn(updates, state, params=None, **extra_args):
+            num_workers = comm.require_axis(axis_name, "diloco")
+            if params is None:
+                raise ValueError(base.no_params_message("diloco"))
+            count = state.count
+            inner_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+            local = optax.apply_updates(params, inner_updates)
+            p_leaves, treedef = jax.tree.flatten(params)
+            groups = fragments(params)
+            alpha = None if no_mixing else base.resolve(mixing, count)
+            operands = _Carry(
+                x=treedef.flatten_up_to(local),
+                a=treedef.flatten_up_to(state.anchor),
+                outer_s=state.outer_states,
+                agg_s=state.aggregate_states,
+                pend=state.pending,
+                exch=state.exchanged,
+                out=state.outbox,
             )
-            for f in range(num_fragments):
-                index = jnp.where(phase == send_at[f], 1 + f, index)
-                index = jnp.where(phase == apply_at[f], 1 + num_fragments + f, index)
-        c = _vma_matched_switch(index, branches, (operands,), axis_name)
-        new_params = comm.to_varying(c.x, axis_name)
-        u_leaves = treedef.flatten_up_to(updates)
-        out = [(n - p).astype(u.dtype) for n, p, u in zip(new_params, p_leaves, u_leaves)]
-        new_state = DiLoCoState(
-            count=jnp.asarray(optax.safe_increment(count)),
-            anchor=jax.tree.unflatten(treedef, c.a),
-            inner_state=inner_state,
-            outer_states=c.outer_s,
-            aggregate_states=c.agg_s,
-            pending=c.pend,
-            exchanged=c.exch,
-            outbox=c.out,
-        )
-        return jax.tree.unflatten(treedef, out), new_state
 
-    tx = DiLoCoTransformation(init_fn, update_fn)
+            def communicate(f, pseudo, c):
+                delta, new_agg = exchange(f, pseudo, c.agg_s[f], _take(c.a, groups[f]))
+                new_agg = optax.tree.cast_like(new_agg, state.aggregate_states[f])
+                return delta, c._replace(agg_s=_put(c.agg_s, f, new_agg))
+
+            def resolve(f, c):
+                """The aggregate waiting in ``pend[f]``, exchanging it here if nobody has."""
+                if not overlap:
+                    return list(c.pend[f]), c
+
+                def done(c):
+                    return list(c.pend[f]), c
+
+                def here(c):
+                    return communicate(f, c.out[f], c)
+
+                if not fallback:  # typed as the fallback would type it, without staging its exchange
+                    return _cast_varying(done, _branches_varying([done, here], (c,), axis_name), axis_name)(c)
+                return _vma_matched_switch(jnp.where(c.exch[f], 0, 1), [done, here], (c,), axis_name)
+
+            def land(f, delta, c):
+                anchor_f = _take(c.a, groups[f])
+                step, new_outer = outer.update(delta, c.outer_s[f], anchor_f)
+                step = jax.tree.leaves(step)
+                x, a = list(c.x), list(c.a)
+                for j, i in enumerate(groups[f]):
+                    a[i] = (anchor_f[j] + step[j]).astype(anchor_f[j].dtype)
+                    x[i] = a[i] if alpha is None else ((1 - alpha) * a[i] + alpha * x[i]).astype(a[i].dtype)
+                new_outer = optax.tree.cast_like(new_outer, state.outer_states[f])
+                return c._replace(x=x, a=a, outer_s=_put(c.outer_s, f, new_outer))
+
+            def send_or_keep(f, pseudo, c):
+                """Stores the fragment's outgoing pseudo-gradient; exchanges it here unless ``overlap``."""
+                if overlap or eager:
+                    c = c._replace(out=_put(c.out, f, comm.to_varying(list(pseudo), axis_name)))
+                if overlap:
+                    return c._replace(exch=_put(c.exch, f, jnp.zeros([], bool)))
+                delta, c = communicate(f, pseudo, c)
+                return c._replace(pend=_put(c.pend, f, delta))
+
+            def pseudo_of(f, c):
+                return [(c.a[i] - c.x[i]).astype(c.a[i].dtype) for i in groups[f]]
+
+            def sync(f):
+                def branch(c):
+                    delta, c = communicate(f, pseudo_of(f, c), c)
+                    return land(f, delta, c)
+
+                return branch
+
+            def send(f):
+                return lambda c: send_or_keep(f, pseudo_of(f, c), c)
+
+            def apply(f):
+                def branch(c):
+                    delta, c = resolve(f, c)
+                    return land(f, delta, c)
+
+                return branch
+
+            def eager_sync(f):
+                def branch(c):
+                    own = pseudo_of(f, c)
+                    previous_mean, c = resolve(f, c)
+                    delta = [
+                        (m + (o - p) / num_workers).astype(o.dtype)
+                        for m, o, p in zip(previous_mean, own, c.out[f])
+                    ]
+                    return send_or_keep(f, own, land(f, delta, c))
+
+                return branch
+
+            phase = count % sync_every
+            index = jnp.zeros([], jnp.int32)
+            if eager:
+                branches = [_local_only] + [eager_sync(f) for f in range(num_fragments)]
+                for f in range(num_fragments):
+                    index = jnp.where(phase == apply_at[f], f + 1, index)
+            elif sync_delay == 0:
+                branches = [_local_only] + [sync(f) for f in range(num_fragments)]
+                for f in range(num_fragments):
+                    index = jnp.where(phase == apply_at[f], f + 1, index)
+            else:
+                branches = (
+                    [_local_only]
+                    + [send(f) for f in range(num_fragments)]
+                    + [apply(f) for f in range(num_fragments)]
+                )
+                for f in range(num_fragments):
+                    index = jnp.where(phase == send_at[f], 1 + f, index)
+                    index = jnp.where(phase == apply_at[f], 1 + num_fragments + f, index)
+            c = _vma_matched_switch(index, branches, (operands,), axis_name)
+            new_params = comm.to_varying(c.x, axis_name)
+            u_leaves = treedef.flatten_up_to(updates)
+            out = [(n - p).astype(u.dtype) for n, p, u in zip(new_params, p_leaves, u_leaves)]
+            new_state = DiLoCoState(
+                count=jnp.asarray(optax.safe_increment(count)),
+                anchor=jax.tree.unflatten(treedef, c.a),
+                inner_state=inner_state,
+                outer_states=c.outer_s,
+                aggregate_states=c.agg_s,
+                pending=c.pend,
+                exchanged=c.exch,
+                outbox=c.out,
+            )
+            return jax.tree.unflatten(treedef, out), new_state
+
+        return update_fn
+
+    tx = DiLoCoTransformation(init_fn, make_update(fallback=True))
     if overlap:
         launch = apply_at if eager else send_at
         tx.exchange = OuterExchange(
@@ -591,5 +610,6 @@ def diloco(
             fragments=fragments,
             run=exchange,
             axis_name=axis_name,
+            trusting=DiLoCoTransformation(init_fn, make_update(fallback=False)),
         )
     return tx

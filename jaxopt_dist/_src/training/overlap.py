@@ -87,6 +87,7 @@ class OverlappedStep:
     step: Any
     exchange: Any  # diloco's OuterExchange
     comm_mesh: jax.sharding.Mesh | None
+    trusting: bool = False  # the step's diloco does not exchange by itself: this runner always does first
     _in_flight: dict[int, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
     _due: list[int] = dataclasses.field(default_factory=list, init=False, repr=False)
     _count: int | None = dataclasses.field(default=None, init=False, repr=False)
@@ -104,6 +105,13 @@ class OverlappedStep:
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         t = self._step_number(opt_state)
         landing = self.exchange.lands_at(t)
+        if self.trusting:  # what the step would exchange by itself, first, as a program of its own
+            late = (
+                [f for f in landing if f in self._due]
+                if opt_state is self._last
+                else self._unexchanged(opt_state)
+            )
+            opt_state = self._exchange_now(opt_state, late)
         # Fragments still in flight that this step does not read get the values the step
         # passed through last time (ready), so that the step does not wait for the exchange.
         held = {f: v for f, v in self._in_flight.items() if f not in landing}
@@ -126,6 +134,19 @@ class OverlappedStep:
         new_state = self._with(new_state, {f: v[0] for f, v in flight.items()})
         self._count, self._last = t + 1, new_state
         return params, new_state, metrics
+
+    def _unexchanged(self, opt_state: Any) -> list[int]:
+        """The fragments of a state from elsewhere whose outbox waits for its exchange (read on the host)."""
+        flags = jax.device_get(list(self.exchange.find(opt_state).exchanged))
+        return [f for f, done in enumerate(flags) if not bool(np.asarray(done).reshape(-1)[0])]
+
+    def _exchange_now(self, opt_state: Any, fragments: list[int]) -> Any:
+        """``opt_state`` with the exchanges of ``fragments`` run now, on the step's mesh."""
+        for f in fragments:
+            args = self._args(opt_state, f)
+            program = self._program(f, args, self._pieces(opt_state, f)[0], self.step.mesh)
+            opt_state = self._with(opt_state, {f: self._landed(program(*args))})
+        return opt_state
 
     def _step_number(self, opt_state: Any) -> int:
         """The 0-based number of the step about to run (read from the state when it is not ours)."""
@@ -162,6 +183,7 @@ class OverlappedStep:
 
     def _launch(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
         """Dispatches fragment ``f``'s exchange on ``comm_mesh``; its results, back on the step's mesh."""
+        assert self.comm_mesh is not None
         args = self._args(opt_state, f)
         program = self._program(f, args, self._pieces(opt_state, f)[0], self.comm_mesh)
         result = program(*_move(args, self.comm_mesh))
@@ -231,9 +253,16 @@ def overlapped_step(
       exchange needs nothing that step computes, and sits outside any
       conditional), where GPU and TPU compilers may schedule its collectives
       asynchronously around the forward and backward passes
-      (``benchmarks/hlo_overlap.py`` shows what they do). On one CPU device
-      it runs serially, as inside the step. With ``sync_delay=1`` the
-      applying step is the next one, so nothing is overlapped.
+      (``benchmarks/hlo_overlap.py``: on an H100 target the fragment's
+      all-reduce spans the whole forward/backward). The runner then runs
+      ``step`` with the diloco's ``trusting`` twin (no exchange of its own
+      inside its switch: a collective inside a conditional keeps XLA's
+      scheduler from overlapping), exchanging first whatever would
+      otherwise be missing (``sync_delay=1``, a restored state); build the
+      step with ``reduce_metrics=False`` too, or the exchange is combined
+      with the loss all-reduce. On one CPU device it runs serially, as
+      inside the step. With ``sync_delay=1`` the applying step is the next
+      one, so nothing is overlapped.
 
     The parameters, the numbers and the state are those of ``step`` alone
     (which exchanges a fragment inside its applying step where nobody did):
@@ -278,4 +307,7 @@ def overlapped_step(
         )
     if not getattr(step, "per_worker_params", False):
         raise ValueError("overlapped_step needs a data_parallel_step with per_worker_params=True (DiLoCo's).")
-    return OverlappedStep(step, exchange, comm_mesh)
+    trusting = comm_mesh is None and diloco is None and exchange.trusting is not None
+    if trusting:  # the same step, its diloco without the fallback exchange inside its switch
+        step = dataclasses.replace(step, tx=exchange.trusting)
+    return OverlappedStep(step, exchange, comm_mesh, trusting)

@@ -284,7 +284,8 @@ class DataParallelStep(runner.RunsSteps):
             metrics = {"loss": loss if scale is None else loss / scale}
             if has_aux:
                 metrics["aux"] = aux
-            if reduce_metrics:  # one pmean each, as before the option existed (the compiled step is unchanged)
+            # One pmean each, as before the option existed (the compiled step is unchanged).
+            if reduce_metrics:
                 metrics = {k: comm.pmean(v, axis_name) for k, v in metrics.items()}
             else:
                 metrics = layout.add_rows(metrics)
