@@ -22,6 +22,11 @@ error decay 0.9, outer Nesterov SGD 0.8/0.9; NoLoCo: groups of 2, outer
 to 16; DES-LOC: ``K_x = 16``, ``K_u = 48``, ``K_v = 96``, no bias
 correction). Both Adams take ``eps = 1e-4`` (see ``EPS_1BIT``).
 
+SparseLoCo and DiLoCo at the same shorter periods (``H = 10`` and ``25``,
+rows built by ``same_period_rows``) take the same makers with
+``sync_every=H``, nothing else changed: 1200 steps at ``H = 50`` give only
+24 synchronisations.
+
 Run ``python benchmarks/_lowcomm_methods.py`` for that check: it trains dense
 AdamW and each method with the same batches and prints the test accuracy
 gaps (``--steps``, ``--seeds``; the machine's load changes only the time).
@@ -31,6 +36,7 @@ With ``--steps 400 --seeds 2`` it gave: dense AdamW 97.9%, DeMo 98.7%
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -93,9 +99,16 @@ def _cosine_to_tenth(peak: float, total_steps: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1), peak / 10)
 
 
-def make_sparseloco(total_steps: int) -> optax.GradientTransformation:
+def make_diloco(total_steps: int, sync_every: int = H) -> optax.GradientTransformation:
+    # bench_lowcomm's DiLoCo row: the same AdamW inside, the default outer Nesterov SGD.
+    return jd.diloco(_adamw(total_steps), sync_every=sync_every)
+
+
+def make_sparseloco(total_steps: int, sync_every: int = H) -> optax.GradientTransformation:
     # 64 of every 64x64 tile (1.56%), 2-bit codes, error decay 0.95, outer SGD at 1.0.
-    return jd.sparseloco(_adamw(total_steps), sync_every=H, topk=64, chunk=64, bits=2, error_decay=0.95)
+    return jd.sparseloco(
+        _adamw(total_steps), sync_every=sync_every, topk=64, chunk=64, bits=2, error_decay=0.95
+    )
 
 
 def make_muloco(total_steps: int) -> optax.GradientTransformation:
@@ -159,6 +172,20 @@ def _whole_run(total_steps: int) -> int:
     return total_steps
 
 
+def same_period_rows(periods) -> dict[str, dict]:
+    """DiLoCo and SparseLoCo rows at each sync period in ``periods``, otherwise the H=50 settings."""
+    rows = {}
+    for h in periods:
+        for name, make in (
+            (f"DiLoCo H={h}", make_diloco),
+            (f"SparseLoCo H={h} 64/4096 2-bit", make_sparseloco),
+        ):
+            rows[name] = dict(
+                make=functools.partial(make, sync_every=h), per_worker_params=True, eval=_anchor
+            )
+    return rows
+
+
 METHODS_B = {
     "demo": dict(make=make_demo, per_worker_params=False),
     "onebit_adam": dict(make=make_onebit_adam, per_worker_params=False),
@@ -168,6 +195,7 @@ METHODS_B = {
     "NoLoCo H=50 pairs": dict(make=make_noloco, per_worker_params=True),
     "0/1 Adam": dict(make=make_zero_one_adam, per_worker_params=True, cost_steps=_whole_run),
     "DES-LOC Adam 16/48/96": dict(make=make_desloc, per_worker_params=True),
+    **same_period_rows((10, 25)),
 }
 
 
@@ -238,7 +266,7 @@ def main(argv=None) -> int:
             f"{acc:.1f}%",
             f"{acc - dense:+.1f}",
             _common.fmt_bytes(sent),
-            f"{dense_bytes / sent:.1f}x less",
+            f"{dense_bytes / sent:.1f}x less" if sent else "sends nothing at step 0",
         ]
         print(_common.markdown_row([name, *cells]))
     return 0
