@@ -258,8 +258,24 @@ def _scan_training(tx):
     return fn
 
 
-@pytest.mark.parametrize("backend", helpers.BACKENDS)
-@pytest.mark.parametrize("method,n", [("butterfly", 8), ("halving", 8), ("halving", 6), ("butterfly", 3)])
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "backend,method,n",
+    [
+        *[
+            ("shard_map", m, k)
+            for m, k in (("butterfly", 8), ("halving", 8), ("halving", 6), ("butterfly", 3))
+        ],
+        ("vmap", "butterfly", 3),
+        # The same under vmap at 6 and 8 workers: slow (the shard_map cases above run everywhere).
+        *[
+            pytest.param("vmap", m, k, marks=_SLOW)
+            for m, k in (("butterfly", 8), ("halving", 8), ("halving", 6))
+        ],
+    ],
+)
 def test_replicas_bit_identical_after_30_steps(backend, method, n):
     T = 30
     rng = np.random.default_rng(0)

@@ -93,7 +93,6 @@ def test_eager_matches_reference(backend, n, F, overlap):
         ("vmap", 3, 1, 2, "low_bit"),
         ("shard_map", 4, 2, 2, None),
         ("shard_map", 2, 4, 1, None),
-        pytest.param("shard_map", 2, 4, 1, "low_bit", marks=pytest.mark.slow),
     ],
 )
 def test_overlap_changes_no_number(backend, n, F, tau, aggregate):
