@@ -59,6 +59,11 @@ def _move(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _host_scalar(x: jax.Array) -> Any:
+    """A replicated scalar leaf's value, read on the host (one row of it when stacked per worker)."""
+    return np.asarray(jax.device_get(x)).reshape(-1)[0]
+
+
 def _check_meshes(mesh: jax.sharding.Mesh, comm_mesh: jax.sharding.Mesh) -> None:
     if not isinstance(comm_mesh, jax.sharding.Mesh):
         raise TypeError(f"`comm_mesh` must be a jax.sharding.Mesh; got {type(comm_mesh).__name__}.")
@@ -137,8 +142,8 @@ class OverlappedStep:
 
     def _unexchanged(self, opt_state: Any) -> list[int]:
         """The fragments of a state from elsewhere whose outbox waits for its exchange (read on the host)."""
-        flags = jax.device_get(list(self.exchange.find(opt_state).exchanged))
-        return [f for f, done in enumerate(flags) if not bool(np.asarray(done).reshape(-1)[0])]
+        flags = self.exchange.find(opt_state).exchanged
+        return [f for f, done in enumerate(flags) if not _host_scalar(done)]
 
     def _exchange_now(self, opt_state: Any, fragments: list[int]) -> Any:
         """``opt_state`` with the exchanges of ``fragments`` run now, on the step's mesh."""
@@ -153,7 +158,7 @@ class OverlappedStep:
         if opt_state is self._last and self._count is not None:
             return self._count
         self._in_flight, self._due = {}, []  # a state from elsewhere (a restore): its exchanges are done
-        return int(np.asarray(jax.device_get(self.exchange.find(opt_state).count)).reshape(-1)[0])
+        return int(_host_scalar(self.exchange.find(opt_state).count))
 
     def _pieces(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
         """(pending, aggregate state, exchanged flag) of fragment ``f``."""
@@ -171,7 +176,10 @@ class OverlappedStep:
         return self.exchange.replace(opt_state, new)
 
     def _landed(self, result: tuple[Any, Any]) -> tuple[Any, Any, Any]:
-        """An exchange's (pending, aggregate state) with the flag saying it is done."""
+        """An exchange's (pending, aggregate state) with the flag saying it is done.
+
+        A fresh array each time: a step built with ``donate=True`` consumes its state's leaves.
+        """
         return result[0], result[1], jax.device_put(np.ones((), bool), NamedSharding(self.step.mesh, P()))
 
     def _args(self, opt_state: Any, f: int) -> tuple[Any, Any, Any]:
