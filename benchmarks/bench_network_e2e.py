@@ -350,13 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         return shaped_link.run_worker(args, run_e2e_worker)
     if args.coordinator is not None:  # cluster mode: this process is one of the job
         return shaped_link.run_cluster(args, run_e2e_worker, "e2e", print_e2e)
-    note = shaped_link.launch_note(args, E2E_PROCS)
-    argv_for = functools.partial(worker_argv, args)
-    res = shaped_link.launch_group(args, "e2e", E2E_PROCS, args.timeout, argv_for)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"e2e": res, "note": note, "argv": sys.argv[1:]}))
-    print_e2e(res, note)
-    return 0
+    return shaped_link.launch_and_show(
+        args, "e2e", E2E_PROCS, functools.partial(worker_argv, args), print_e2e
+    )
 
 
 if __name__ == "__main__":

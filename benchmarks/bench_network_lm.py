@@ -703,14 +703,9 @@ def main(argv: list[str] | None = None) -> int:
         return shaped_link.run_worker(args, run_lm_worker)
     if args.coordinator is not None:  # cluster mode: this process is one of the job
         return shaped_link.run_cluster(args, run_lm_worker, "lm", show)
-    note = shaped_link.launch_note(args, PROCS)
-    t0 = time.perf_counter()
-    res = shaped_link.launch_group(args, "lm", PROCS, args.timeout, functools.partial(worker_argv, args))
-    note += f"; whole run {time.perf_counter() - t0:.0f} s"
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"lm": res, "note": note, "argv": sys.argv[1:]}))
-    show(res, note)
-    return 0
+    return shaped_link.launch_and_show(
+        args, "lm", PROCS, functools.partial(worker_argv, args), show, timed=True
+    )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ this file)::
 
 Link shaping. The processes run in a fresh network namespace
 (``unshare --net``) whose loopback is brought up and shaped with a token
-bucket (``tc qdisc replace dev lo root tbf rate R burst 2mb latency 2s``),
+bucket (``tc qdisc replace dev lo root tbf rate R burst 2mb latency 2s``; a
+bucket of a few milliseconds of traffic instead with :func:`set_burst_ms`),
 changed between rates by process 0 while the compiled programs are kept, so
 the rates of one method are timed back to back. The loopback is one device:
 every process's bytes pass the same bucket, so the wire time at rate ``R`` is
@@ -723,6 +724,28 @@ def run_worker(args: argparse.Namespace, run: Callable[[argparse.Namespace], dic
     res = run(args)
     if (args.process_id or 0) == 0 and args.json:
         pathlib.Path(args.json).write_text(json.dumps(res))
+    return 0
+
+
+def launch_and_show(
+    args: argparse.Namespace,
+    key: str,
+    procs: int,
+    argv_for: Callable[[int, str | None, str], list[str]],
+    show: Callable[[dict[str, Any], str], None],
+    *,
+    timed: bool = False,
+) -> int:
+    """:func:`launch_group`, then ``show(res, note)``; saves ``{key: res, "note": note, "argv": ...}``
+    to ``--json``. ``timed``: the note ends with the whole run's seconds."""
+    note = launch_note(args, procs)
+    t0 = time.perf_counter()
+    res = launch_group(args, key, procs, args.timeout, argv_for)
+    if timed:
+        note += f"; whole run {time.perf_counter() - t0:.0f} s"
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({key: res, "note": note, "argv": sys.argv[1:]}))
+    show(res, note)
     return 0
 
 
