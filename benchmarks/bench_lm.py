@@ -32,7 +32,19 @@ the run; nothing is tuned on the validation split.
 Run: ``python benchmarks/bench_lm.py`` (``--quick`` for a smoke run). The
 full run took 28 to 53 minutes on a shared 2-core machine, depending on its
 load; ``--json PATH`` also writes every run's record (validation curves
-every ``--eval-every`` steps, training losses).
+every ``--eval-every`` steps, training losses; rewritten after each method,
+so a run cut short keeps the methods it finished).
+
+``--one-device`` runs the same training on a single device (one GPU): the 2
+replicas under ``jax.vmap(axis_name="data")`` with unsharded parameters and
+every seed batched into the same program (``examples/lm.py``'s
+``VmapTrainer``, which matches the mesh's numbers to float rounding; its
+memory column is one replica's parameters and optimizer state, unsharded).
+The few-million-parameter table of RESULTS.md came from::
+
+    JAX_PLATFORMS=cuda python benchmarks/bench_lm.py --one-device --steps 4000 \
+        --dim 256 --depth 6 --context 256 --batch 64 --lr 2e-3 --eval-every 500 \
+        --eval-windows 256 --methods dense,diloco50,streaming,diloco100,streaming40
 """
 
 from __future__ import annotations
@@ -69,6 +81,7 @@ METHODS = {
     "diloco50": ("DiLoCo H=50", "diloco", {"sync_every": 50}),
     "diloco100": ("DiLoCo H=100", "diloco", {"sync_every": 100}),
     "streaming": ("Streaming DiLoCo F=4 H=100, 4-bit", "streaming_diloco", {"sync_every": 100}),
+    "streaming40": ("Streaming DiLoCo F=4 H=40, 4-bit", "streaming_diloco", {"sync_every": 40}),
     "powersgd": ("PowerSGD rank 4", "powersgd", {"rank": 4}),
     "demo": ("DeMo (64x64 DCT tiles, top 32)", "demo", {}),
     # Frontier II (the example's settings; see examples/lm.py's TXS).
@@ -97,11 +110,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--dim", type=int, default=96)
     ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     ap.add_argument("--batch", type=int, default=16, help="windows per step over all 8 devices")
     ap.add_argument("--eval-windows", type=int, default=256)
     ap.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
     ap.add_argument("--json", default=None, help="also write every run's record (curves included) here")
+    ap.add_argument(
+        "--one-device",
+        action="store_true",
+        help="the 2 replicas under jax.vmap on one device (a GPU), every seed in the same program",
+    )
     ap.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}"
     )
@@ -116,6 +136,13 @@ def main(argv=None) -> int:
         [
             *("--steps", str(args.steps), "--dim", str(args.dim), "--depth", str(args.depth)),
             *("--context", str(args.context), "--batch", str(args.batch)),
+            *(
+                "--heads",
+                str(args.heads),
+                "--lr",
+                str(args.lr),
+                *(["--one-device"] if args.one_device else []),
+            ),
             *("--eval-every", str(args.eval_every), "--eval-windows", str(args.eval_windows)),
             *("--warmup", str(max(1, args.steps // 20))),
         ]
@@ -126,18 +153,25 @@ def main(argv=None) -> int:
     rows = {}
     for name in names:
         _, tx_name, overrides = METHODS[name]
-        trainer = lm.Trainer(tx_name, cfg, settings_for(base, overrides, args.quick))
-        runs = [trainer.run(corpus, seed=seed, progress=False) for seed in range(args.seeds)]
+        trainer = (lm.VmapTrainer if args.one_device else lm.Trainer)(
+            tx_name, cfg, settings_for(base, overrides, args.quick)
+        )
+        runs = trainer.run_seeds(corpus, range(args.seeds), progress=False)
         rows[name] = runs
         bpb = [r["evals"][-1]["val_bpb"] for r in runs]
-        print(f"  {METHODS[name][0]}: {_spread(bpb)} bits/byte ({time.time() - t0:.0f} s)", flush=True)
-
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        # --one-device: one program steps every seed at once (its first, compiling step untimed)
+        step_ms = 1e3 * np.mean([r["seconds"] / r.get("timed_steps", args.steps) for r in runs])
+        print(
+            f"  {METHODS[name][0]}: {_spread(bpb)} bits/byte ({time.time() - t0:.0f} s; {step_ms:.1f} ms/step)",
+            flush=True,
+        )
+        if args.json:  # after every method, so that a run cut short keeps what it finished
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     first = next(iter(rows.values()))[0]
     print(
         f"\nbyte-level GPT, {first['params']:,} parameters (dim {cfg.dim}, {cfg.depth} blocks, {cfg.heads} heads, "
-        f"context {cfg.context}, tied embeddings, learned positions); mesh 2 replicas x 4 fsdp (8 CPU devices); "
+        f"context {cfg.context}, tied embeddings, learned positions); {lm.layout(base)}"
+        f"{'' if args.one_device else ' (8 CPU devices)'}; "
         f"{args.steps} steps of {args.batch} windows ({args.steps * args.batch * cfg.context:,} "
         f"training bytes); AdamW peak lr {base.lr}, warm-up {base.warmup}, cosine to lr/10; "
         f"{len(corpus.train_files)} training / {len(corpus.val_files)} validation files, "
@@ -153,7 +187,7 @@ def main(argv=None) -> int:
         "bytes/step",
         "peak",
         "less than dense",
-        "memory/device",
+        "memory/replica (unsharded)" if args.one_device else "memory/device",
     ]
     print(_common.markdown_header(columns, "lrrrrrr"))
     dense = rows.get("dense")
@@ -171,11 +205,11 @@ def main(argv=None) -> int:
             _common.fmt_bytes(r["bytes_per_step"]),
             _common.fmt_bytes(r["peak_bytes_per_step"]),
             f"{less:.4g}x",
-            _common.fmt_bytes(r["per_device_bytes"]),
+            _common.fmt_bytes(lm.memory_bytes(r)),
         ]
         print(_common.markdown_row([METHODS[name][0], *cells]))
     print()
-    for name, need_less in {"diloco50": 50, "streaming": 200}.items():
+    for name, need_less in {"diloco50": 50, "streaming": 200, "streaming40": 200}.items():
         if name in summary and dense:
             ratio, less = summary[name]
             met = ratio <= 1.03 and less >= need_less

@@ -591,12 +591,138 @@ class Trainer:
             "evals": evals,
         }
 
+    def run_seeds(self, corpus: Corpus, seeds: Any, *, progress: bool = True) -> list[dict]:
+        """:meth:`run` for each seed in turn."""
+        return [self.run(corpus, seed=seed, progress=progress) for seed in seeds]
+
+
+def one_model(params: Any, opt_state: Any, per_worker: bool) -> Any:
+    """:func:`global_params` of one run whose replicas are stacked on a leading axis (under ``vmap``).
+
+    A replicated anchor (DiLoCo's global model) is the anchor every replica
+    holds; per-worker anchors (NoLoCo, eager DiLoCo) or none give the mean of
+    the replicas' parameters; with replicated parameters, replica 0's.
+    """
+    if not per_worker:
+        return jax.tree.map(lambda x: x[0], params)
+    mean = jax.tree.map(lambda x: jnp.mean(x, axis=0), params)
+    anchor = optax.tree_utils.tree_get(opt_state, "anchor")
+    if anchor is None:
+        return mean
+    agreed = jnp.all(jnp.stack([jnp.all(a == a[:1]) for a in jax.tree.leaves(anchor)]))
+    return jax.tree.map(lambda a, m: jnp.where(agreed, a[0], m), anchor, mean)
+
+
+class VmapTrainer(Trainer):
+    """:class:`Trainer` on one device: the replicas under ``jax.vmap(axis_name="data")``, the seeds batched too.
+
+    For a machine with a single accelerator. Each replica holds the whole
+    model (nothing is sharded over ``"fsdp"``; ``settings.fsdp`` is unused),
+    the optimizer's collectives run over the vmapped replica axis, and every
+    seed of :meth:`run_seeds` trains in the same program (an outer ``vmap``
+    with no axis name: the seeds never communicate). Batches, initialisation
+    and evaluation are those of :class:`Trainer`, so the numbers agree with
+    the mesh's to float rounding. Records give ``replica_bytes`` (one
+    replica's parameters and optimizer state, unsharded) in place of
+    ``per_device_bytes``.
+    """
+
+    def __init__(self, name: str, cfg: GPTConfig, settings: Any):
+        self.name, self.cfg, self.settings, self.method = name, cfg, settings, TXS[name]
+        graphdef, params, rest = nnx.split(build_model(cfg, 0), nnx.Param, ...)
+        self.tx = self.method.make(settings)
+        self.loss = make_loss(graphdef, rest)
+
+        def worker(p, s, batch):
+            loss, grads = jax.value_and_grad(self.loss)(p, batch)
+            updates, s = self.tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, loss
+
+        self.step = jax.jit(jax.vmap(jax.vmap(worker, axis_name=DATA)), donate_argnums=(0, 1))
+        self.init_state = jax.jit(jax.vmap(self.tx.init))
+        per_worker = self.method.per_worker
+        evaluate = lambda p, s, b: self.loss(one_model(p, s, per_worker), b)  # noqa: E731
+        self.evaluate = jax.jit(jax.vmap(evaluate, in_axes=(0, 0, None)))
+        self.cost = replica_axis_cost(self.tx, params, settings)
+        self.per_step, self.period = data_axis_bytes(self.cost)
+        self.num_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+
+    def init(self, seed: int) -> tuple[Any, Any]:
+        """``(params, opt_state)`` of one seed, stacked over the replicas."""
+        _, params, _ = nnx.split(build_model(self.cfg, seed), nnx.Param, ...)
+        stacked = jax.tree.map(lambda x: jnp.stack([x] * self.settings.replicas), params)
+        return stacked, self.init_state(stacked)
+
+    def run(self, corpus: Corpus, *, seed: int, progress: bool = True) -> dict:
+        return self.run_seeds(corpus, [seed], progress=progress)[0]
+
+    def run_seeds(self, corpus: Corpus, seeds: Any, *, progress: bool = True) -> list[dict]:
+        """Trains every seed at once; returns one record per seed (see :meth:`Trainer.run`)."""
+        st, seeds, n = self.settings, list(seeds), self.settings.replicas
+        p, s = jax.tree.map(lambda *xs: jnp.stack(xs), *[self.init(seed) for seed in seeds])
+        one = jax.tree.map(lambda x: x[0, 0], (p, s))
+        replica = sum(x.nbytes for x in jax.tree.leaves(one))
+        held_out = jnp.asarray(val_batch(corpus, self.cfg, st.eval_windows))
+        rngs = [np.random.default_rng(1000 + seed) for seed in seeds]
+        evals, losses, pending = [[] for _ in seeds], [[] for _ in seeds], []
+
+        def batches() -> np.ndarray:
+            windows = [sample_windows(corpus.train, r, st.batch, self.cfg.context) for r in rngs]
+            return np.stack([w.reshape(n, st.batch // n, -1) for w in windows])
+
+        def record(t: int) -> float:
+            bpb = np.asarray(self.evaluate(p, s, held_out)) / math.log(2)
+            sent = cumulative_bytes(self.per_step, self.period, t)
+            for i, b in enumerate(bpb):
+                evals[i].append({"step": t, "val_bpb": float(b), "data_axis_bytes": sent})
+            return float(bpb.mean())
+
+        record(0)
+        bar = progress_bar(st.steps, self.name, disable=not progress)
+        start = compiled = time.perf_counter()
+        for t in range(1, st.steps + 1):
+            p, s, loss = self.step(p, s, batches())
+            pending.append(loss)
+            if t == 1:  # the first step compiles: time the rest
+                compiled = jax.block_until_ready(loss) is not None and time.perf_counter()
+            bar.update(1)
+            if t % st.eval_every == 0 or t == st.steps:
+                for x in np.asarray(jnp.stack(pending)).mean(axis=-1) / math.log(2):  # (steps, seeds)
+                    for i, v in enumerate(x):
+                        losses[i].append(float(v))
+                pending = []
+                bar.set_postfix_str(f"val {record(t):.3f} bits/byte")
+        bar.close()
+        seconds = time.perf_counter() - compiled
+        first = compiled - start
+        return [
+            {
+                "tx": self.name,
+                "seed": seed,
+                "params": self.num_params,
+                "replica_bytes": replica,
+                "total_bytes": replica * n,
+                "bytes_per_step": float(np.mean(self.period)) if self.period else 0.0,
+                "peak_bytes_per_step": float(max(self.period, default=0.0)),
+                "dense_bytes_per_step": self.cost.dense_bytes,
+                "seconds": seconds,
+                "timed_steps": st.steps - 1,
+                "first_step_seconds": first,
+                "seeds_together": len(seeds),
+                "device": str(jax.devices()[0].device_kind),
+                "train_bpb": losses[i],
+                "evals": evals[i],
+            }
+            for i, seed in enumerate(seeds)
+        ]
+
 
 def train(
     name: str, cfg: GPTConfig, settings: Any, corpus: Corpus, *, seed: int, progress: bool = True
 ) -> dict:
-    """``Trainer(name, cfg, settings).run(corpus, seed=seed)``: one run of one method."""
-    return Trainer(name, cfg, settings).run(corpus, seed=seed, progress=progress)
+    """One run of one method: on the mesh (:class:`Trainer`), or on one device with ``settings.one_device``."""
+    trainer = VmapTrainer if getattr(settings, "one_device", False) else Trainer
+    return trainer(name, cfg, settings).run(corpus, seed=seed, progress=progress)
 
 
 # ----------------------------------------------------------------------------
@@ -639,6 +765,11 @@ def fmt_bytes(b: float) -> str:
     return f"{b:.4g} B"
 
 
+def memory_bytes(run: dict) -> float:
+    """A record's parameters + optimizer state on the fullest device (one replica, unsharded, on one device)."""
+    return run["per_device_bytes"] if "per_device_bytes" in run else run["replica_bytes"]
+
+
 def summary(runs: list[dict]) -> str:
     """A markdown table of the runs."""
     lines = [
@@ -649,7 +780,7 @@ def summary(runs: list[dict]) -> str:
         ratio = r["dense_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else math.inf
         lines.append(
             f"| {r['tx']} | {r['evals'][-1]['val_bpb']:.4f} | {fmt_bytes(r['bytes_per_step'])} | "
-            f"{fmt_bytes(r['peak_bytes_per_step'])} | {ratio:.4g}x less | {fmt_bytes(r['per_device_bytes'])} |"
+            f"{fmt_bytes(r['peak_bytes_per_step'])} | {ratio:.4g}x less | {fmt_bytes(memory_bytes(r))} |"
         )
     return "\n".join(lines)
 
@@ -679,6 +810,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--density", type=float, default=0.01, help="top_k's fraction of entries sent")
     ap.add_argument("--replicas", type=int, default=2, help="size of the replica axis 'data'")
     ap.add_argument("--fsdp", type=int, default=4, help="size of the model axis 'fsdp'")
+    ap.add_argument(
+        "--one-device",
+        action="store_true",
+        help="the replicas under jax.vmap on one device (one GPU), parameters unsharded; --fsdp is unused",
+    )
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-windows", type=int, default=64, help="validation windows (multiple of 8)")
     ap.add_argument("--val-fraction", type=float, default=0.05, help="fraction of files held out")
@@ -686,6 +822,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="lm_out", help="folder for results.json and the plot")
     ap.add_argument("--no-progress", action="store_true")
     return ap
+
+
+def layout(settings: Any) -> str:
+    """Where the replicas run, in words."""
+    if getattr(settings, "one_device", False):
+        return f"{settings.replicas} replicas under vmap on one {jax.devices()[0].device_kind}"
+    return f"mesh {settings.replicas} replicas x {settings.fsdp} fsdp"
 
 
 def config(settings: Any) -> GPTConfig:
@@ -709,9 +852,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--tx: unknown {unknown}; choose from {', '.join(TXS)}")
     if args.steps < 1 or args.eval_every < 1:
         ap.error("--steps and --eval-every must be positive")
+    devices = args.replicas * (1 if args.one_device else args.fsdp)
     for flag, value in (("--batch", args.batch), ("--eval-windows", args.eval_windows)):
-        if value < 1 or value % (args.replicas * args.fsdp):
-            ap.error(f"{flag} must be a positive multiple of replicas x fsdp = {args.replicas * args.fsdp}")
+        if value < 1 or value % devices:
+            ap.error(
+                f"{flag} must be a positive multiple of {devices} (replicas{'' if args.one_device else ' x fsdp'})"
+            )
     cfg = config(args)
     corpus = load_corpus(val_fraction=args.val_fraction)
     print(
@@ -729,8 +875,8 @@ def main(argv: list[str] | None = None) -> int:
     plotted = plot(runs, out / "lm_val_loss.png")
     r0 = runs[0]
     print(
-        f"\nbyte-level GPT, {r0['params']:,} parameters, context {cfg.context}; mesh {args.replicas} replicas x "
-        f"{args.fsdp} fsdp; {args.steps} steps of {args.batch} windows; params+opt state "
+        f"\nbyte-level GPT, {r0['params']:,} parameters, context {cfg.context}; {layout(args)}; "
+        f"{args.steps} steps of {args.batch} windows; params+opt state "
         f"{fmt_bytes(r0['total_bytes'])} in all\n"
     )
     print(summary(runs))

@@ -6,6 +6,7 @@ import json
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -103,3 +104,37 @@ def test_trains_dense_and_diloco_and_writes_results(lm, tmp_path, capsys):
 def test_rejects_unknown_tx(lm, tmp_path):
     with pytest.raises(SystemExit):
         lm.main(["--tx", "dense,nope", "--out", str(tmp_path)])
+
+
+@pytest.mark.slow  # about 20 s: two methods, each compiled for the mesh and for vmap
+@pytest.mark.parametrize("tx", ["dense", "diloco"])
+def test_one_device_trainer_matches_the_mesh(lm, corpus, tx):
+    """VmapTrainer (replicas under vmap, seeds batched, one device) trains as Trainer does on the 2 x 4 mesh."""
+    args = lm.parser().parse_args(
+        [*TINY, "--steps", "8", "--eval-every", "4", "--sync-every", "4", "--lr", "1e-2"]
+    )
+    on_mesh = lm.Trainer(tx, lm.config(args), args).run_seeds(corpus, [0, 1], progress=False)
+    on_one = lm.VmapTrainer(tx, lm.config(args), args).run_seeds(corpus, [0, 1], progress=False)
+    for m, v in zip(on_mesh, on_one):
+        assert m["seed"] == v["seed"]
+        assert [e["step"] for e in v["evals"]] == [0, 4, 8]
+        np.testing.assert_allclose(
+            [e["val_bpb"] for e in v["evals"]], [e["val_bpb"] for e in m["evals"]], rtol=1e-5
+        )
+        np.testing.assert_allclose(v["train_bpb"], m["train_bpb"], rtol=1e-5)
+        assert [e["data_axis_bytes"] for e in v["evals"]] == [e["data_axis_bytes"] for e in m["evals"]]
+        assert v["replica_bytes"] * args.replicas == v["total_bytes"] and "per_device_bytes" not in v
+    assert (
+        on_one[0]["evals"][-1]["val_bpb"] != on_one[1]["evals"][-1]["val_bpb"]
+    )  # the seeds are separate runs
+
+
+def test_one_model_picks_the_global_model(lm):
+    """Stacked replicas: replica 0 of replicated params; an anchor the replicas agree on; else their mean."""
+    params = {"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])}  # 2 replicas
+    assert lm.one_model(params, (), per_worker=False)["w"].tolist() == [1.0, 2.0]
+    assert lm.one_model(params, (), per_worker=True)["w"].tolist() == [2.0, 3.0]
+    agreed = {"anchor": {"w": jnp.array([[5.0, 6.0], [5.0, 6.0]])}}
+    assert lm.one_model(params, agreed, per_worker=True)["w"].tolist() == [5.0, 6.0]
+    differ = {"anchor": {"w": jnp.array([[5.0, 6.0], [5.0, 7.0]])}}  # per-worker anchors (NoLoCo)
+    assert lm.one_model(params, differ, per_worker=True)["w"].tolist() == [2.0, 3.0]
