@@ -21,7 +21,9 @@ per byte (the cross-entropy divided by ln 2).
 Run ``python examples/lm.py`` (dense AdamW, a few minutes on a CPU), or e.g.
 ``python examples/lm.py --tx diloco --sync-every 50`` or
 ``python examples/lm.py --tx dense,diloco,streaming_diloco --steps 600``.
-Written to ``--out``: ``results.json`` (per evaluation: step, validation bits
+On a machine with a single accelerator, ``--one-device`` runs the replicas
+under ``jax.vmap(axis_name="data")`` on that device instead (parameters
+unsharded; :class:`VmapTrainer`). Written to ``--out``: ``results.json`` (per evaluation: step, validation bits
 per byte, cumulative bytes sent over the replica axis) and ``lm_val_loss.png``
 (validation loss against steps and against those bytes).
 """
