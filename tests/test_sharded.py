@@ -10,6 +10,8 @@ state that belongs to them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -167,6 +169,29 @@ def test_state_model_specs_match_by_path_then_by_unanimous_shape():
     # (8, 4) belongs to two parameters with different specs: left whole; (4, 8) only to "c".
     assert got["fragment"] == [P(), P("m", None)]
     assert got["q"] == P()
+
+
+class _FlatState(NamedTuple):
+    count: jax.Array
+    error: tuple[jax.Array, ...]
+    other: tuple[jax.Array, ...]
+
+    FLAT_BUFFERS = ("error",)
+
+
+def test_declared_flat_buffers_are_split_over_the_model_axes_that_divide_them():
+    params = {"a": jnp.zeros((8, 4)), "b": jnp.zeros((2,))}
+    specs = {"a": P("fsdp", "tensor"), "b": P()}
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
+    flat = tuple(jnp.zeros((size,)) for size in (48, 12, 6))
+    state = (_FlatState(jnp.zeros([], jnp.int32), flat, flat), {"nested": _FlatState(0, flat[:1], ())})
+    got, nested = model_axes.state_specs(state, params, specs, mesh=mesh)
+    # Over ("fsdp", "tensor") where 8 divides the length, over "fsdp" alone where only 4 does, else whole.
+    assert got.error == (P(("fsdp", "tensor")), P(("fsdp",)), P())
+    assert got.other == (P(), P(), P()) and got.count == P()  # undeclared: never guessed from a length
+    assert nested["nested"].error == (P(("fsdp", "tensor")),)
+    # Without the mesh's sizes, nothing is split.
+    assert model_axes.state_specs(state, params, specs)[0].error == (P(), P(), P())
 
 
 def test_place_opt_state_round_trip_with_param_specs():

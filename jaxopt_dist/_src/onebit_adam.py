@@ -57,6 +57,11 @@ class OnebitAdamState(NamedTuple):
       worker_error: per leaf, float32[P] (the padded size); per-worker.
       server_error: per leaf, float32[P / n], the error of the chunk this
         worker reduces; per-worker.
+
+    ``FLAT_BUFFERS`` (a class attribute, not a field) names the two error
+    fields: one flat buffer per parameter leaf, whose shape no parameter
+    has, which :func:`jaxopt_dist.data_parallel_step` splits over the model
+    axes.
     """
 
     count: jax.Array  # int32[], replicated
@@ -64,6 +69,8 @@ class OnebitAdamState(NamedTuple):
     nu: optax.Updates  # like params, float32, replicated
     worker_error: tuple[jax.Array, ...]  # float32[P_l] per leaf, per-worker
     server_error: tuple[jax.Array, ...]  # float32[P_l / n] per leaf, per-worker
+
+    FLAT_BUFFERS = ("worker_error", "server_error")
 
 
 def onebit_adam(
@@ -144,9 +151,10 @@ def onebit_adam(
       Needs whole leaves: each leaf is flattened, padded and cut into one
       chunk per worker, with a scale from its whole norm, so the compiler moves
       entries over the model axes into that layout and back (``mu`` and ``nu``
-      stay sharded like the parameters). The exchanges above run over the data
-      axis, per replica; the output is that of replicated parameters, to float
-      rounding of the norms.
+      stay sharded like the parameters). The flat error buffers (the state's
+      ``FLAT_BUFFERS``) are split along their length over the model axes. The
+      exchanges above run over the data axis, per replica; the output is that
+      of replicated parameters, to float rounding of the norms.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd

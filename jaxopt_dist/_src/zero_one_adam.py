@@ -86,6 +86,11 @@ class ZeroOneAdamState(NamedTuple):
         of ``n * lcm(n, 8)``); per-worker.
       server_error: per leaf, float32[P / n], the error of the chunk this
         worker reduces; per-worker.
+
+    ``FLAT_BUFFERS`` (a class attribute, not a field) names the two error
+    fields: one flat buffer per parameter leaf, whose shape no parameter
+    has, which :func:`jaxopt_dist.data_parallel_step` splits over the model
+    axes.
     """
 
     count: jax.Array  # int32[], replicated
@@ -99,6 +104,8 @@ class ZeroOneAdamState(NamedTuple):
     local_step_counter: jax.Array  # int32[], replicated
     worker_error: tuple[jax.Array, ...]  # float32[P_l] per leaf, per-worker
     server_error: tuple[jax.Array, ...]  # float32[P_l / n] per leaf, per-worker
+
+    FLAT_BUFFERS = ("worker_error", "server_error")
 
 
 class _Moments(NamedTuple):
@@ -201,8 +208,9 @@ def zero_one_adam(
       and cut into one chunk per worker, with a scale from its whole norm, so
       the compiler moves entries over the model axes into that layout and
       back. The moments, the accumulator and the dense variance all-reduce
-      are elementwise, sharded like the parameters. The exchanges run over
-      the data axis, per replica.
+      are elementwise, sharded like the parameters; the flat error buffers
+      (the state's ``FLAT_BUFFERS``) are split along their length over the
+      model axes. The exchanges run over the data axis, per replica.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax

@@ -5,11 +5,23 @@ A mesh may have axes besides the data axis: ``("data", "fsdp")``,
 transforms' collectives run on them); the *model axes* are left to the
 compiler (``jax.shard_map(..., axis_names=data axes)``), so the model code is
 ordinary sharded JAX code. ``param_specs`` says how each parameter is sharded
-over the model axes; :func:`state_specs` shards every optimizer-state leaf
-that belongs to a parameter the same way (error-feedback residuals, anchors,
-moments, momentum), and leaves the rest (counters, keys, PowerSGD's factors)
-replicated over the model axes. A per-worker leaf is stacked over the data
-axes in front of that: ``P("data", "fsdp", None)``.
+over the model axes; :func:`state_specs` places each optimizer-state leaf:
+
+* A leaf that belongs to a parameter (error-feedback residuals, anchors,
+  moments, momentum) is sharded like the parameter.
+* A *flat per-leaf buffer*, a leaf of a state field that the state's class
+  names in its ``FLAT_BUFFERS`` attribute (1-bit Adam's and 0/1 Adam's
+  ``worker_error`` and ``server_error``: one padded 1-D buffer per parameter
+  leaf, whose shape no parameter has), is split along its one dimension over
+  the model axes that the parameters use, ``P(("fsdp",))``, or over as many
+  of them, in their order, as divide its length evenly.
+* Everything else (counters, keys, PowerSGD's factors) is replicated over the
+  model axes.
+
+Only a declared field is taken for a flat buffer: a 1-D leaf is never
+guessed to be one from its length. A per-worker leaf is stacked over the data
+axes in front of its model-axis spec: ``P("data", "fsdp", None)``,
+``P("data", ("fsdp",))``.
 """
 
 from __future__ import annotations
@@ -112,7 +124,40 @@ def model_axes(param_specs: Any) -> tuple[Any, ...]:
     return tuple(seen)
 
 
-def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
+def flat_buffer_paths(state: Any) -> set[tuple[Any, ...]]:
+    """Paths of the leaves of ``state`` in fields that their state's class declares flat buffers.
+
+    A state class (a NamedTuple) lists such fields in a class attribute
+    ``FLAT_BUFFERS``, e.g. ``FLAT_BUFFERS = ("worker_error", "server_error")``:
+    fields holding one 1-D buffer per parameter leaf, of a length no
+    parameter has (the leaf flattened and padded).
+    """
+
+    def declares(x: Any) -> bool:
+        return isinstance(x, tuple) and bool(getattr(type(x), "FLAT_BUFFERS", ()))
+
+    found: set[tuple[Any, ...]] = set()
+    for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=declares)[0]:
+        if declares(node):
+            for field in type(node).FLAT_BUFFERS:
+                head = (*path, jax.tree_util.GetAttrKey(field))
+                found.update(
+                    (*head, *sub) for sub, _ in jax.tree_util.tree_leaves_with_path(getattr(node, field))
+                )
+    return found
+
+
+def flat_buffer_spec(length: int, axes: tuple[Any, ...], mesh: Any) -> P:
+    """A 1-D buffer of ``length`` split over ``axes``, or over the longest leading run that divides it."""
+    use: list[Any] = []
+    for a in axes:
+        if length % int(np.prod([mesh.shape[b] for b in (*use, a)])):
+            break
+        use.append(a)
+    return P(tuple(use)) if use else P()
+
+
+def state_specs(state: Any, params: Any, param_specs: Any, *, mesh: Any = None) -> Any:
     """Model-axis specs for each leaf of one worker's optimizer ``state``.
 
     A state leaf belongs to a parameter when its path ends with that
@@ -121,9 +166,13 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
     anchors, momentum) under their own field names. A leaf no path matches
     (a list of one fragment's leaves, as DiLoCo's outer state keeps) takes
     the spec of the parameters of its shape when they all share one. Such a
-    leaf is sharded like its parameter; every other leaf is ``P()`` over the
-    model axes.
+    leaf is sharded like its parameter. With ``mesh`` (its axis sizes), a 1-D
+    leaf of a field its state declares a flat buffer (:func:`flat_buffer_paths`)
+    is split over the model axes of ``param_specs`` (:func:`flat_buffer_spec`).
+    Every other leaf is ``P()`` over the model axes.
     """
+    flat_paths = flat_buffer_paths(state) if mesh is not None else set()
+    axes = model_axes(param_specs)
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
     owner = {(tuple(path), np.shape(x)): sp for (path, x), sp in zip(flat, specs)}
@@ -134,6 +183,8 @@ def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
 
     def one(path: tuple[Any, ...], leaf: Any) -> P:
         shape = np.shape(leaf)
+        if len(shape) == 1 and tuple(path) in flat_paths:
+            return flat_buffer_spec(shape[0], axes, mesh)
         for n in lengths:
             sp = owner.get((tuple(path[len(path) - n :]) if n else (), shape))
             if n <= len(path) and sp is not None:

@@ -64,7 +64,7 @@ def _state_model_specs(tx: Any, params: Any, param_specs: Any, mesh: Any, axis_n
     model = _model_param_specs(params, param_specs, mesh, axis_name)
     if model is None:
         return None
-    return model_axes.state_specs(jax.eval_shape(tx.init, base.abstract(params)), params, model)
+    return model_axes.state_specs(jax.eval_shape(tx.init, base.abstract(params)), params, model, mesh=mesh)
 
 
 def init_opt_state(
@@ -91,7 +91,7 @@ def init_opt_state(
       per_worker_params: whether parameters differ between workers.
       param_specs: the parameters' model-axis specs (see
         :func:`data_parallel_step`): the leaves that belong to a parameter are
-        sharded like it.
+        sharded like it, declared flat buffers over the model axes.
 
     Returns:
       The placed optimizer state.
@@ -439,9 +439,14 @@ def data_parallel_step(
         its replica, sharded. ``init`` shards the parameters and every
         optimizer-state leaf that belongs to a parameter (its path ends with
         the parameter's path and it has its shape: residuals, anchors,
-        moments, momentum) like that parameter; the rest (counters, keys,
-        PowerSGD's factors) is replicated over the model axes. None: parameters
-        replicated on every device of a worker.
+        moments, momentum) like that parameter; the flat per-leaf buffers a
+        state class declares in its ``FLAT_BUFFERS`` attribute (the padded
+        1-D error buffers of :func:`jaxopt_dist.onebit_adam` and
+        :func:`jaxopt_dist.zero_one_adam`) are split along their length over
+        the parameters' model axes (as many of them, in order, as divide it;
+        ``P("data", ("fsdp",))`` when per-worker); the rest (counters, keys,
+        PowerSGD's factors) is replicated over the model axes. None:
+        parameters replicated on every device of a worker.
       batch_axes: model axes that also split the batch, e.g. ``"fsdp"`` for
         FSDP (the batch's leading axis is then split over the data axes and
         these). None: the data axes alone.
