@@ -37,6 +37,8 @@ RULES = (("embed", None), ("mlp", "fsdp"), ("out", None))
 CASES = [
     ("all_reduce+adamw", lambda: optax.chain(jd.all_reduce(), optax.adamw(1e-2, weight_decay=0.1)), False),
     ("diloco", lambda: jd.diloco(optax.adamw(1e-2), sync_every=3), True),
+    # Flat, padded error buffers (no parameter's shape): split over "fsdp" all the same.
+    ("zero_one_adam", lambda: jd.zero_one_adam(1e-2, var_freeze_step=3, num_workers=2, eps=1e-4), True),
 ]
 IDS = [c[0] for c in CASES]
 

@@ -157,7 +157,7 @@ class DataParallelTrainState(runner.RunsSteps):
             jax.tree.structure(params), jax.tree.leaves(p_model, is_leaf=model_axes.is_spec)
         )
         return jax.tree.map(lambda _: P(), state).replace(
-            params=p_model, opt_state=model_axes.state_specs(local, params, p_model)
+            params=p_model, opt_state=model_axes.state_specs(local, params, p_model, mesh=self.mesh)
         )
 
     def _body(self, mask: Any):

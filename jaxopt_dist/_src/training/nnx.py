@@ -211,7 +211,7 @@ class DataParallel(runner.RunsSteps):
             local = jax.eval_shape(node.tx.init, params)
             p_model = self._checked_specs(node.param_specs(), params, what="the optimizer's parameter")
             s_model = jax.tree.leaves(
-                model_axes.state_specs(local, params, p_model), is_leaf=model_axes.is_spec
+                model_axes.state_specs(local, params, p_model, mesh=self.mesh), is_leaf=model_axes.is_spec
             )
             masks = jax.tree_util.tree_flatten_with_path(found.per_worker)[0]
             prefix = (*tuple(path), "opt_state")
