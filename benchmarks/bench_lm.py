@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         rows[name] = runs
         bpb = [r["evals"][-1]["val_bpb"] for r in runs]
         # --one-device: one program steps every seed at once (its first, compiling step untimed)
-        step_ms = 1e3 * np.mean([r["seconds"] / r.get("timed_steps", args.steps) for r in runs])
+        step_ms = 1e3 * np.mean([r["seconds"] / max(1, r.get("timed_steps", args.steps)) for r in runs])
         print(
             f"  {METHODS[name][0]}: {_spread(bpb)} bits/byte ({time.time() - t0:.0f} s; {step_ms:.1f} ms/step)",
             flush=True,

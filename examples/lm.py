@@ -686,12 +686,13 @@ class VmapTrainer(Trainer):
             p, s, loss = self.step(p, s, batches())
             pending.append(loss)
             if t == 1:  # the first step compiles: time the rest
-                compiled = jax.block_until_ready(loss) is not None and time.perf_counter()
+                jax.block_until_ready(loss)
+                compiled = time.perf_counter()
             bar.update(1)
             if t % st.eval_every == 0 or t == st.steps:
-                for x in np.asarray(jnp.stack(pending)).mean(axis=-1) / math.log(2):  # (steps, seeds)
-                    for i, v in enumerate(x):
-                        losses[i].append(float(v))
+                per_seed = np.asarray(jnp.stack(pending)).mean(axis=-1).T / math.log(2)  # replicas' mean
+                for i, curve in enumerate(per_seed):
+                    losses[i].extend(float(v) for v in curve)
                 pending = []
                 bar.set_postfix_str(f"val {record(t):.3f} bits/byte")
         bar.close()
@@ -707,7 +708,7 @@ class VmapTrainer(Trainer):
                 "bytes_per_step": float(np.mean(self.period)) if self.period else 0.0,
                 "peak_bytes_per_step": float(max(self.period, default=0.0)),
                 "dense_bytes_per_step": self.cost.dense_bytes,
-                "seconds": seconds,
+                "seconds": seconds,  # after the first step, evaluations included
                 "timed_steps": st.steps - 1,
                 "first_step_seconds": first,
                 "seeds_together": len(seeds),
