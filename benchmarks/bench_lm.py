@@ -86,12 +86,14 @@ METHODS = {
     "demo": ("DeMo (64x64 DCT tiles, top 32)", "demo", {}),
     # Frontier II (the example's settings; see examples/lm.py's TXS).
     "sparseloco50": ("SparseLoCo H=50, 64/4096, 2-bit", "sparseloco", {"sync_every": 50}),
+    "diloco25": ("DiLoCo H=25", "diloco", {"sync_every": 25}),
+    "sparseloco25": ("SparseLoCo H=25, 64/4096, 2-bit", "sparseloco", {"sync_every": 25}),
     "muloco50": ("MuLoCo H=50, 2-bit", "muloco", {"sync_every": 50}),
     "noloco50": ("NoLoCo H=50, pairs", "noloco", {"sync_every": 50}),
     "zero_one_adam": ("0/1 Adam", "zero_one_adam", {}),
     "desloc": ("DES-LOC Adam 16/48/96", "desloc", {}),
 }
-QUICK_H = {50: 4, 100: 8}  # --quick: the same methods with short periods
+QUICK_H = {25: 2, 40: 4, 50: 4, 100: 8}  # --quick: the same methods with short periods
 
 
 def settings_for(base: argparse.Namespace, overrides: dict, quick: bool) -> argparse.Namespace:
@@ -178,7 +180,11 @@ def main(argv=None) -> int:
         f"{args.eval_windows} validation windows; {args.seeds} seed(s); {time.time() - t0:.0f} s in all"
     )
     if args.quick:
-        print(f"(--quick: the rows' H=50 and H=100 are H={QUICK_H[50]} and H={QUICK_H[100]})")
+        print(
+            "(--quick: the rows' periods are shortened: "
+            + ", ".join(f"H={h} -> {q}" for h, q in QUICK_H.items())
+            + ")"
+        )
     print()
     columns = [
         "method",
