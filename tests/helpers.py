@@ -537,6 +537,15 @@ def child_env(devices: int | None = None) -> dict[str, str]:
     return env
 
 
+def device_bytes(tree):
+    """Bytes of the shards of ``tree``'s arrays that each device holds, by device."""
+    out: dict = {}
+    for x in jax.tree.leaves(tree):
+        for sh in x.addressable_shards:
+            out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
+    return out
+
+
 def device_shards(x):
     """The per-device pieces of a placed array, as NumPy arrays."""
     return [np.asarray(s.data) for s in x.addressable_shards]

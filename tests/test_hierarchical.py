@@ -310,15 +310,6 @@ def test_data_parallel_step_on_a_2d_mesh():
 # FSDP: parameters and optimizer state sharded over the fast axis, compression over the slow one.
 
 
-def device_bytes(tree):
-    """Bytes of the shards each device holds, by device."""
-    out: dict = {}
-    for x in jax.tree.leaves(tree):
-        for sh in x.addressable_shards:
-            out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
-    return out
-
-
 @pytest.mark.parametrize("H,L", [(2, 2), (2, 4)])
 def test_fsdp_through_data_parallel_step_with_compression_over_the_slow_axis(H, L):
     """``data_parallel_step(axis_name="dcn", param_specs=P("ici"), batch_axes="ici")``.
@@ -372,11 +363,11 @@ def test_fsdp_through_data_parallel_step_with_compression_over_the_slow_axis(H, 
     # Per-device memory: parameters and their state are a 1/L shard of the replicated run's.
     rep_p, rep_s = jd.data_parallel_step(loss, tx, mesh=mesh, axis_name="dcn").init(params0)
     p_bytes = 4 * (d_in * d_out + d_in)
-    assert set(device_bytes(p).values()) == {p_bytes // L}
-    assert set(device_bytes(rep_p).values()) == {p_bytes}
+    assert set(helpers.device_bytes(p).values()) == {p_bytes // L}
+    assert set(helpers.device_bytes(rep_p).values()) == {p_bytes}
     shaped = lambda st: (st[0].residual, st[1][0].momentum)  # noqa: E731 - the param-sized leaves
-    assert set(device_bytes(shaped(s)).values()) == {2 * p_bytes // L}
-    assert set(device_bytes(shaped(rep_s)).values()) == {2 * p_bytes}
+    assert set(helpers.device_bytes(shaped(s)).values()) == {2 * p_bytes // L}
+    assert set(helpers.device_bytes(shaped(rep_s)).values()) == {2 * p_bytes}
 
 
 @pytest.mark.parametrize("H,L", [(2, 2), (2, 4)])

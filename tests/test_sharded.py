@@ -20,6 +20,7 @@ import pytest
 
 import jaxopt_dist as jd
 from jaxopt_dist._src.training import model_axes
+from tests import helpers
 
 P = jax.sharding.PartitionSpec
 STEPS = 20
@@ -81,15 +82,6 @@ def _train(make_tx, per_worker, mesh, **kw):
     return params, state, float(metrics["loss"])
 
 
-def _device_bytes(tree):
-    """Bytes of the shards each device holds, by device."""
-    out: dict = {}
-    for x in jax.tree.leaves(tree):
-        for sh in x.addressable_shards:
-            out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
-    return out
-
-
 @pytest.mark.parametrize("name", list(TXS))
 def test_sharded_model_gives_the_replicated_models_numbers(name):
     make_tx, per_worker = TXS[name]
@@ -109,7 +101,7 @@ def test_sharded_model_gives_the_replicated_models_numbers(name):
         )
     assert loss == pytest.approx(rep_loss, rel=1e-5)
     # The state that belongs to the parameters is sharded over "fsdp" too: a quarter per device.
-    rep_total, total = _device_bytes((rep_p, rep_s)), _device_bytes((p, s))
+    rep_total, total = helpers.device_bytes((rep_p, rep_s)), helpers.device_bytes((p, s))
     assert max(total.values()) < max(rep_total.values()) / 2.5
 
 
@@ -121,8 +113,8 @@ def test_per_device_bytes_are_a_quarter_of_the_replicated_run(per_worker):
     fsdp = jd.data_parallel_step(
         _loss, make_tx(), mesh=_mesh("fsdp"), per_worker_params=per_worker, param_specs=FSDP
     )
-    rep_bytes = max(_device_bytes(rep.init(_params())).values())
-    got = _device_bytes(fsdp.init(_params()))
+    rep_bytes = max(helpers.device_bytes(rep.init(_params())).values())
+    got = helpers.device_bytes(fsdp.init(_params()))
     # b2 (6 floats and its moments) is replicated on purpose; every other leaf is split in 4.
     assert max(got.values()) == pytest.approx(rep_bytes / 4, rel=0.05)
     assert len(got) == 8

@@ -60,11 +60,9 @@ def _batches():
     ]
 
 
-def _device_bytes(tree, device=None):
-    device = device or jax.devices()[0]
-    return sum(
-        s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device
-    )
+def _device_bytes(tree):
+    """The bytes of ``tree`` on the first device."""
+    return helpers.device_bytes(tree).get(jax.devices()[0], 0)
 
 
 def _dims(spec, ndim):

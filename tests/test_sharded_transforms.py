@@ -26,6 +26,7 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
+from tests import helpers
 
 P = jax.sharding.PartitionSpec
 pytestmark = pytest.mark.devices(8)
@@ -328,15 +329,6 @@ def test_hierarchical_sharded_params_match_replicated(make_slow):
     assert _check_state_sharding(state, False) > 0
 
 
-def _device_bytes(tree):
-    """The most bytes of ``tree``'s shards that any one device holds."""
-    out: dict = {}
-    for x in jax.tree.leaves(tree):
-        for sh in x.addressable_shards:
-            out[sh.device] = out.get(sh.device, 0) + sh.data.nbytes
-    return max(out.values())
-
-
 @pytest.mark.parametrize(
     "make_tx,per_worker",
     [
@@ -367,5 +359,5 @@ def test_flat_error_buffers_are_split_over_the_model_axis(make_tx, per_worker):
     for got, want in zip(jax.tree.leaves((params, state)), jax.tree.leaves((want_p, want_s))):
         assert got.sharding.spec == want.sharding.spec
     replicated = jd.data_parallel_step(_loss, make_tx(), mesh=replicated_mesh, per_worker_params=per_worker)
-    quarter = _device_bytes(replicated.init(_params())) / 4
-    assert quarter <= _device_bytes((params, state)) < 1.05 * quarter
+    quarter = max(helpers.device_bytes(replicated.init(_params())).values()) / 4
+    assert quarter <= max(helpers.device_bytes((params, state)).values()) < 1.05 * quarter
