@@ -138,13 +138,8 @@ def main(argv=None) -> int:
         [
             *("--steps", str(args.steps), "--dim", str(args.dim), "--depth", str(args.depth)),
             *("--context", str(args.context), "--batch", str(args.batch)),
-            *(
-                "--heads",
-                str(args.heads),
-                "--lr",
-                str(args.lr),
-                *(["--one-device"] if args.one_device else []),
-            ),
+            *("--heads", str(args.heads), "--lr", str(args.lr)),
+            *(["--one-device"] if args.one_device else []),
             *("--eval-every", str(args.eval_every), "--eval-windows", str(args.eval_windows)),
             *("--warmup", str(max(1, args.steps // 20))),
         ]

@@ -524,22 +524,41 @@ class Trainer:
     def __init__(self, name: str, cfg: GPTConfig, settings: Any):
         self.name, self.cfg, self.settings, self.method = name, cfg, settings, TXS[name]
         graphdef, params, rest = nnx.split(build_model(cfg, 0), nnx.Param, ...)
-        self.param_specs = nnx.get_partition_spec(params)  # P("fsdp", None)-style, from the metadata
         self.tx = self.method.make(settings)
         self.loss = make_loss(graphdef, rest)
+        self.cost = replica_axis_cost(self.tx, params, settings)
+        self.per_step, self.period = data_axis_bytes(self.cost)
+        self.num_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
+        self.build(params)
+
+    def build(self, params: Any) -> None:
+        """The step and the evaluation, on the ``(replicas, fsdp)`` mesh."""
+        self.param_specs = nnx.get_partition_spec(params)  # P("fsdp", None)-style, from the metadata
         self.step = jd.data_parallel_step(
             self.loss,
             self.tx,
-            mesh=make_mesh(settings.replicas, settings.fsdp),
+            mesh=make_mesh(self.settings.replicas, self.settings.fsdp),
             param_specs=self.param_specs,
             batch_axes=FSDP,
             per_worker_params=self.method.per_worker,
         )
-        self.cost = replica_axis_cost(self.tx, params, settings)
-        self.per_step, self.period = data_axis_bytes(self.cost)
-        self.num_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
         per_worker = self.method.per_worker
         self.evaluate = jax.jit(lambda p, s, b: self.loss(global_params(p, s, per_worker), b))
+
+    def result(self, seed: int, seconds: float, losses: list, evals: list, **memory: Any) -> dict:
+        """A run's record: the bytes over the replica axis, the curves, and ``memory``'s entries."""
+        return {
+            "tx": self.name,
+            "seed": seed,
+            "params": self.num_params,
+            **memory,
+            "bytes_per_step": float(np.mean(self.period)) if self.period else 0.0,
+            "peak_bytes_per_step": float(max(self.period, default=0.0)),
+            "dense_bytes_per_step": self.cost.dense_bytes,
+            "seconds": seconds,
+            "train_bpb": losses,
+            "evals": evals,
+        }
 
     def init(self, seed: int) -> tuple[Any, Any]:
         """Placed ``(params, opt_state)`` for the model initialised from ``seed``."""
@@ -579,19 +598,14 @@ class Trainer:
                 pending = []
                 bar.set_postfix_str(f"train {losses[-1]:.3f} val {record(t):.3f} bits/byte")
         bar.close()
-        return {
-            "tx": self.name,
-            "seed": seed,
-            "params": self.num_params,
-            "per_device_bytes": memory,
-            "total_bytes": total_memory,
-            "bytes_per_step": float(np.mean(self.period)) if self.period else 0.0,
-            "peak_bytes_per_step": float(max(self.period, default=0.0)),
-            "dense_bytes_per_step": self.cost.dense_bytes,
-            "seconds": time.perf_counter() - start,
-            "train_bpb": losses,
-            "evals": evals,
-        }
+        return self.result(
+            seed,
+            time.perf_counter() - start,
+            losses,
+            evals,
+            per_device_bytes=memory,
+            total_bytes=total_memory,
+        )
 
     def run_seeds(self, corpus: Corpus, seeds: Any, *, progress: bool = True) -> list[dict]:
         """:meth:`run` for each seed in turn."""
@@ -629,11 +643,9 @@ class VmapTrainer(Trainer):
     ``per_device_bytes``.
     """
 
-    def __init__(self, name: str, cfg: GPTConfig, settings: Any):
-        self.name, self.cfg, self.settings, self.method = name, cfg, settings, TXS[name]
-        graphdef, params, rest = nnx.split(build_model(cfg, 0), nnx.Param, ...)
-        self.tx = self.method.make(settings)
-        self.loss = make_loss(graphdef, rest)
+    def build(self, params: Any) -> None:
+        """The step (the replicas under an inner ``vmap`` with the axis name, the seeds under an outer one) and
+        the evaluation."""
 
         def worker(p, s, batch):
             loss, grads = jax.value_and_grad(self.loss)(p, batch)
@@ -645,9 +657,6 @@ class VmapTrainer(Trainer):
         per_worker = self.method.per_worker
         evaluate = lambda p, s, b: self.loss(one_model(p, s, per_worker), b)  # noqa: E731
         self.evaluate = jax.jit(jax.vmap(evaluate, in_axes=(0, 0, None)))
-        self.cost = replica_axis_cost(self.tx, params, settings)
-        self.per_step, self.period = data_axis_bytes(self.cost)
-        self.num_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
 
     def init(self, seed: int) -> tuple[Any, Any]:
         """``(params, opt_state)`` of one seed, stacked over the replicas."""
@@ -698,24 +707,20 @@ class VmapTrainer(Trainer):
         bar.close()
         seconds = time.perf_counter() - compiled
         first = compiled - start
+        device = str(jax.devices()[0].device_kind)
         return [
-            {
-                "tx": self.name,
-                "seed": seed,
-                "params": self.num_params,
-                "replica_bytes": replica,
-                "total_bytes": replica * n,
-                "bytes_per_step": float(np.mean(self.period)) if self.period else 0.0,
-                "peak_bytes_per_step": float(max(self.period, default=0.0)),
-                "dense_bytes_per_step": self.cost.dense_bytes,
-                "seconds": seconds,  # after the first step, evaluations included
-                "timed_steps": st.steps - 1,
-                "first_step_seconds": first,
-                "seeds_together": len(seeds),
-                "device": str(jax.devices()[0].device_kind),
-                "train_bpb": losses[i],
-                "evals": evals[i],
-            }
+            self.result(
+                seed,
+                seconds,
+                losses[i],
+                evals[i],
+                replica_bytes=replica,
+                total_bytes=replica * n,
+                timed_steps=st.steps - 1,  # seconds: after the first step, evaluations included
+                first_step_seconds=first,
+                seeds_together=len(seeds),
+                device=device,
+            )
             for i, seed in enumerate(seeds)
         ]
 
