@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         summary[name] = (ratio, less)
         cells = [
             _spread(bpb),
-            f"{ratio:.3f}",
+            f"{ratio:.3f}" if dense else "- (no dense row)",
             _common.fmt_bytes(r["bytes_per_step"]),
             _common.fmt_bytes(r["peak_bytes_per_step"]),
             f"{less:.4g}x",

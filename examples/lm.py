@@ -323,28 +323,36 @@ def _muloco(settings: Any) -> optax.GradientTransformation:
 _EPS_COMPRESSED_ADAM = 1e-4
 
 
+# Both clip each worker's gradient at norm 1.0 first, as every AdamW-based row does (DES-LOC's
+# experiments clip so; DeepSpeed's engine clips before 0/1 Adam's step).
 def _zero_one_adam(settings: Any) -> optax.GradientTransformation:
-    return jd.zero_one_adam(
-        schedule(settings.lr, settings),
-        var_freeze_step=max(1, settings.steps * 15 // 100),
-        num_workers=settings.replicas,
-        b2=0.95,
-        eps=_EPS_COMPRESSED_ADAM,
-        var_update_scaler=16,
-        local_step_scaler=32,
-        local_step_clipper=16,
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        jd.zero_one_adam(
+            schedule(settings.lr, settings),
+            var_freeze_step=max(1, settings.steps * 15 // 100),
+            num_workers=settings.replicas,
+            b2=0.95,
+            eps=_EPS_COMPRESSED_ADAM,
+            var_update_scaler=16,
+            local_step_scaler=32,
+            local_step_clipper=16,
+        ),
     )
 
 
 def _desloc(settings: Any) -> optax.GradientTransformation:
-    return jd.desloc_adam(
-        schedule(settings.lr, settings),
-        sync_every=16,
-        momentum_sync_every=48,
-        variance_sync_every=96,
-        b2=0.95,
-        eps=_EPS_COMPRESSED_ADAM,
-        weight_decay=settings.weight_decay,
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        jd.desloc_adam(
+            schedule(settings.lr, settings),
+            sync_every=16,
+            momentum_sync_every=48,
+            variance_sync_every=96,
+            b2=0.95,
+            eps=_EPS_COMPRESSED_ADAM,
+            weight_decay=settings.weight_decay,
+        ),
     )
 
 
@@ -389,10 +397,14 @@ TXS: dict[str, Method] = {
         "NoLoCo: AdamW inner steps; every --sync-every, average with one random peer (no all-reduce)",
     ),
     "zero_one_adam": Method(
-        _zero_one_adam, True, "0/1 Adam: variance frozen after 15% of the steps, then 1-bit syncs"
+        _zero_one_adam,
+        True,
+        "0/1 Adam (gradients clipped): variance frozen after 15% of the steps, then 1-bit syncs",
     ),
     "desloc": Method(
-        _desloc, True, "DES-LOC Adam: parameters every 16 steps, first moment every 48, second every 96"
+        _desloc,
+        True,
+        "DES-LOC Adam (gradients clipped): parameters every 16, first moment every 48, second every 96",
     ),
     "local_sgd": Method(
         lambda s: optax.chain(adamw(s), jd.average_params(every=s.sync_every)),
