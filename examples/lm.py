@@ -266,11 +266,15 @@ def schedule(peak: float, settings: Any) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(settings.steps, warmup + 1), peak / 10)
 
 
+def clipped(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` after clipping each worker's gradient at global norm 1.0 (every Adam-based row)."""
+    return optax.chain(optax.clip_by_global_norm(1.0), tx)
+
+
 def adamw(settings: Any) -> optax.GradientTransformation:
     """The local optimizer of every AdamW-based method: clipping, then AdamW (b2 = 0.95)."""
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule(settings.lr, settings), b1=0.9, b2=0.95, weight_decay=settings.weight_decay),
+    return clipped(
+        optax.adamw(schedule(settings.lr, settings), b1=0.9, b2=0.95, weight_decay=settings.weight_decay)
     )
 
 
@@ -323,11 +327,10 @@ def _muloco(settings: Any) -> optax.GradientTransformation:
 _EPS_COMPRESSED_ADAM = 1e-4
 
 
-# Both clip each worker's gradient at norm 1.0 first, as every AdamW-based row does (DES-LOC's
-# experiments clip so; DeepSpeed's engine clips before 0/1 Adam's step).
+# Both are clipped as the AdamW rows are (DES-LOC's experiments clip so; DeepSpeed's engine clips
+# before 0/1 Adam's step).
 def _zero_one_adam(settings: Any) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
+    return clipped(
         jd.zero_one_adam(
             schedule(settings.lr, settings),
             var_freeze_step=max(1, settings.steps * 15 // 100),
@@ -342,8 +345,7 @@ def _zero_one_adam(settings: Any) -> optax.GradientTransformation:
 
 
 def _desloc(settings: Any) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(1.0),
+    return clipped(
         jd.desloc_adam(
             schedule(settings.lr, settings),
             sync_every=16,
