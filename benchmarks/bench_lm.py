@@ -88,12 +88,14 @@ METHODS = {
     "sparseloco50": ("SparseLoCo H=50, 64/4096, 2-bit", "sparseloco", {"sync_every": 50}),
     "diloco25": ("DiLoCo H=25", "diloco", {"sync_every": 25}),
     "sparseloco25": ("SparseLoCo H=25, 64/4096, 2-bit", "sparseloco", {"sync_every": 25}),
+    "diloco10": ("DiLoCo H=10", "diloco", {"sync_every": 10}),
+    "sparseloco10": ("SparseLoCo H=10, 64/4096, 2-bit", "sparseloco", {"sync_every": 10}),
     "muloco50": ("MuLoCo H=50, 2-bit", "muloco", {"sync_every": 50}),
     "noloco50": ("NoLoCo H=50, pairs", "noloco", {"sync_every": 50}),
     "zero_one_adam": ("0/1 Adam", "zero_one_adam", {}),
     "desloc": ("DES-LOC Adam 16/48/96", "desloc", {}),
 }
-QUICK_H = {25: 2, 40: 4, 50: 4, 100: 8}  # --quick: the same methods with short periods
+QUICK_H = {10: 2, 25: 2, 40: 4, 50: 4, 100: 8}  # --quick: the same methods with short periods
 
 
 def settings_for(base: argparse.Namespace, overrides: dict, quick: bool) -> argparse.Namespace:
