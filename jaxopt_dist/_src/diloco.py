@@ -224,6 +224,11 @@ class OuterExchange:
         collective sits inside the step's ``lax.switch`` (which would keep
         GPU compilers from overlapping the runner's fused exchange with
         the step's compute).
+      land: for ``sync_delay=0`` in :attr:`DiLoCoTransformation.external`
+        only (else None): ``(f, params, state, aggregate_f) -> (params,
+        state)``, per worker, the outer step of fragment ``f`` that the
+        ``trusting`` step leaves undone (its synchronising step only sends),
+        for a runner that exchanges between that step and the next.
     """
 
     sync_every: int
@@ -233,6 +238,7 @@ class OuterExchange:
     run: Callable[..., tuple[list[Any], Any]]
     axis_name: base.AxisName
     trusting: Any = None
+    land: Callable[..., tuple[Any, Any]] | None = None
 
     def launches_after(self, step: int) -> list[int]:
         """The fragments whose exchange can start once inner step ``step`` (0-based) is done."""
@@ -266,9 +272,20 @@ def _is_diloco_state(x: Any) -> bool:
 
 class DiLoCoTransformation(optax.GradientTransformationExtraArgs):
     """What :func:`diloco` returns: an optax transformation, with ``exchange`` (an
-    :class:`OuterExchange` under ``overlap=True``, else None)."""
+    :class:`OuterExchange` under ``overlap=True``, else None) and ``external``.
+
+    ``external`` is an :class:`OuterExchange` for every configuration: its
+    ``trusting`` transformation never exchanges by itself (every fragment's
+    pseudo-gradient goes to the state's outbox, and the applying step reads
+    ``pending`` as a runner left it; with ``sync_delay=0`` the synchronising
+    step only sends and the runner lands the fragment with ``land``). It is
+    what carries the outer exchange between separately launched jobs
+    (:class:`jaxopt_dist.islands.Island`); its state is that of
+    ``overlap=True``.
+    """
 
     exchange: OuterExchange | None = None
+    external: OuterExchange | None = None
 
 
 def diloco(
@@ -444,32 +461,60 @@ def diloco(
     def fragments(params):
         return diloco_fragments(params, num_fragments, assignment=fragment_assignment)
 
-    def init_fn(params):
-        leaves = jax.tree.leaves(params)
-        pieces = [_take(leaves, g) for g in fragments(params)]
+    def make_init(with_outbox: bool):
+        def init_fn(params):
+            leaves = jax.tree.leaves(params)
+            pieces = [_take(leaves, g) for g in fragments(params)]
 
-        def zeros(flag):
-            return tuple([jnp.zeros_like(x) for x in p] if flag else () for p in pieces)
+            def zeros(flag):
+                return tuple([jnp.zeros_like(x) for x in p] if flag else () for p in pieces)
 
-        return DiLoCoState(
-            count=jnp.zeros([], jnp.int32),
-            anchor=jax.tree.map(jnp.asarray, params),
-            inner_state=inner.init(params),
-            outer_states=tuple(outer.init(p) for p in pieces),
-            aggregate_states=tuple(aggregate.init(p) for p in pieces),
-            pending=zeros(keeps_pending),
-            exchanged=tuple(jnp.ones([], bool) for _ in pieces) if overlap else (),
-            outbox=zeros(overlap or eager) if overlap or eager else (),
-        )
+            return DiLoCoState(
+                count=jnp.zeros([], jnp.int32),
+                anchor=jax.tree.map(jnp.asarray, params),
+                inner_state=inner.init(params),
+                outer_states=tuple(outer.init(p) for p in pieces),
+                aggregate_states=tuple(aggregate.init(p) for p in pieces),
+                pending=zeros(keeps_pending),
+                exchanged=tuple(jnp.ones([], bool) for _ in pieces) if with_outbox else (),
+                outbox=zeros(True) if with_outbox or eager else (),
+            )
+
+        return init_fn
 
     def exchange(f, pseudo, agg_state_f, anchor_f):
         """The aggregate of one fragment's pseudo-gradients: (leaves, new aggregate state)."""
         mean, new_agg = aggregate.update(list(pseudo), agg_state_f, list(anchor_f))
         return [m.astype(p.dtype) for m, p in zip(jax.tree.leaves(mean), pseudo)], new_agg
 
-    def make_update(fallback: bool):
-        """``update``; ``fallback=False``: the applying step trusts that the exchange has run
-        (``overlapped_step``'s fused mode, which then sees no collective inside the switch)."""
+    def land(f, delta, c, groups, alpha, outer_states):
+        """``c`` after fragment ``f``'s outer step with the aggregate ``delta`` (the blend with ``alpha``)."""
+        anchor_f = _take(c.a, groups[f])
+        step, new_outer = outer.update(delta, c.outer_s[f], anchor_f)
+        step = jax.tree.leaves(step)
+        x, a = list(c.x), list(c.a)
+        for j, i in enumerate(groups[f]):
+            a[i] = (anchor_f[j] + step[j]).astype(anchor_f[j].dtype)
+            x[i] = a[i] if alpha is None else ((1 - alpha) * a[i] + alpha * x[i]).astype(a[i].dtype)
+        new_outer = optax.tree.cast_like(new_outer, outer_states[f])
+        return c._replace(x=x, a=a, outer_s=_put(c.outer_s, f, new_outer))
+
+    def carry(local, state, treedef):
+        return _Carry(
+            x=treedef.flatten_up_to(local),
+            a=treedef.flatten_up_to(state.anchor),
+            outer_s=state.outer_states,
+            agg_s=state.aggregate_states,
+            pend=state.pending,
+            exch=state.exchanged,
+            out=state.outbox,
+        )
+
+    def make_update(with_outbox: bool, fallback: bool, split: bool = False):
+        """``update``. ``with_outbox``: the state of ``overlap=True`` (sends go to the outbox);
+        ``fallback=False``: the applying step trusts that the exchange has run (``overlapped_step``'s
+        fused mode, which then sees no collective inside the switch, and external runners);
+        ``split``: with ``sync_delay=0``, the synchronising step only sends (a runner lands)."""
 
         def update_fn(updates, state, params=None, **extra_args):
             num_workers = comm.require_axis(axis_name, "diloco")
@@ -481,15 +526,7 @@ def diloco(
             p_leaves, treedef = jax.tree.flatten(params)
             groups = fragments(params)
             alpha = None if no_mixing else base.resolve(mixing, count)
-            operands = _Carry(
-                x=treedef.flatten_up_to(local),
-                a=treedef.flatten_up_to(state.anchor),
-                outer_s=state.outer_states,
-                agg_s=state.aggregate_states,
-                pend=state.pending,
-                exch=state.exchanged,
-                out=state.outbox,
-            )
+            operands = carry(local, state, treedef)
 
             def communicate(f, pseudo, c):
                 delta, new_agg = exchange(f, pseudo, c.agg_s[f], _take(c.a, groups[f]))
@@ -498,7 +535,7 @@ def diloco(
 
             def resolve(f, c):
                 """The aggregate waiting in ``pend[f]``, exchanging it here if nobody has."""
-                if not overlap:
+                if not with_outbox:
                     return list(c.pend[f]), c
 
                 def done(c):
@@ -511,22 +548,14 @@ def diloco(
                     return _cast_varying(done, _branches_varying([done, here], (c,), axis_name), axis_name)(c)
                 return _vma_matched_switch(jnp.where(c.exch[f], 0, 1), [done, here], (c,), axis_name)
 
-            def land(f, delta, c):
-                anchor_f = _take(c.a, groups[f])
-                step, new_outer = outer.update(delta, c.outer_s[f], anchor_f)
-                step = jax.tree.leaves(step)
-                x, a = list(c.x), list(c.a)
-                for j, i in enumerate(groups[f]):
-                    a[i] = (anchor_f[j] + step[j]).astype(anchor_f[j].dtype)
-                    x[i] = a[i] if alpha is None else ((1 - alpha) * a[i] + alpha * x[i]).astype(a[i].dtype)
-                new_outer = optax.tree.cast_like(new_outer, state.outer_states[f])
-                return c._replace(x=x, a=a, outer_s=_put(c.outer_s, f, new_outer))
+            def landed(f, delta, c):
+                return land(f, delta, c, groups, alpha, state.outer_states)
 
             def send_or_keep(f, pseudo, c):
-                """Stores the fragment's outgoing pseudo-gradient; exchanges it here unless ``overlap``."""
-                if overlap or eager:
+                """Stores the fragment's outgoing pseudo-gradient; exchanges it here unless ``with_outbox``."""
+                if with_outbox or eager:
                     c = c._replace(out=_put(c.out, f, comm.to_varying(list(pseudo), axis_name)))
-                if overlap:
+                if with_outbox:
                     return c._replace(exch=_put(c.exch, f, jnp.zeros([], bool)))
                 delta, c = communicate(f, pseudo, c)
                 return c._replace(pend=_put(c.pend, f, delta))
@@ -537,7 +566,7 @@ def diloco(
             def sync(f):
                 def branch(c):
                     delta, c = communicate(f, pseudo_of(f, c), c)
-                    return land(f, delta, c)
+                    return landed(f, delta, c)
 
                 return branch
 
@@ -547,7 +576,7 @@ def diloco(
             def apply(f):
                 def branch(c):
                     delta, c = resolve(f, c)
-                    return land(f, delta, c)
+                    return landed(f, delta, c)
 
                 return branch
 
@@ -559,18 +588,15 @@ def diloco(
                         (m + (o - p) / num_workers).astype(o.dtype)
                         for m, o, p in zip(previous_mean, own, c.out[f])
                     ]
-                    return send_or_keep(f, own, land(f, delta, c))
+                    return send_or_keep(f, own, landed(f, delta, c))
 
                 return branch
 
             phase = count % sync_every
             index = jnp.zeros([], jnp.int32)
-            if eager:
-                branches = [_local_only] + [eager_sync(f) for f in range(num_fragments)]
-                for f in range(num_fragments):
-                    index = jnp.where(phase == apply_at[f], f + 1, index)
-            elif sync_delay == 0:
-                branches = [_local_only] + [sync(f) for f in range(num_fragments)]
+            if eager or sync_delay == 0:
+                make = eager_sync if eager else (send if split else sync)
+                branches = [_local_only] + [make(f) for f in range(num_fragments)]
                 for f in range(num_fragments):
                     index = jnp.where(phase == apply_at[f], f + 1, index)
             else:
@@ -600,16 +626,35 @@ def diloco(
 
         return update_fn
 
-    tx = DiLoCoTransformation(init_fn, make_update(fallback=True))
-    if overlap:
+    def land_after_send(f, params, state, delta):
+        """The outer step of fragment ``f`` that a ``split`` step left undone (``sync_delay=0``)."""
+        treedef = jax.tree.structure(params)
+        alpha = None if no_mixing else base.resolve(mixing, state.count - 1)
+        c = land(f, list(delta), carry(params, state, treedef), fragments(params), alpha, state.outer_states)
+        new_state = state._replace(
+            anchor=jax.tree.unflatten(treedef, c.a),
+            outer_states=c.outer_s,
+            exchanged=_put(c.exch, f, jnp.ones([], bool)),
+        )
+        return jax.tree.unflatten(treedef, c.x), new_state
+
+    def outer_exchange(trusting, with_land):
         launch = apply_at if eager else send_at
-        tx.exchange = OuterExchange(
+        return OuterExchange(
             sync_every=sync_every,
             launch_phase=tuple(launch),
             land_phase=tuple(apply_at),
             fragments=fragments,
             run=exchange,
             axis_name=axis_name,
-            trusting=DiLoCoTransformation(init_fn, make_update(fallback=False)),
+            trusting=trusting,
+            land=land_after_send if with_land else None,
         )
+
+    tx = DiLoCoTransformation(make_init(overlap), make_update(overlap, fallback=True))
+    if overlap:
+        tx.exchange = outer_exchange(DiLoCoTransformation(make_init(True), make_update(True, False)), False)
+    split = sync_delay == 0 and not eager
+    external = DiLoCoTransformation(make_init(True), make_update(True, fallback=False, split=split))
+    tx.external = outer_exchange(external, split)
     return tx

@@ -1,0 +1,395 @@
+"""One island: a JAX job taking DiLoCo's inner steps, whose outer exchange goes over a transport.
+
+:class:`Island` wraps a :func:`jaxopt_dist.data_parallel_step` of a
+:func:`jaxopt_dist.diloco` and runs it with the diloco's ``external`` twin
+(:class:`jaxopt_dist.DiLoCoTransformation`): the step never exchanges by
+itself; after the step that takes a fragment's pseudo-gradient the island
+reads its outbox, runs the ``aggregate`` on its own devices, and merges the
+result with the other islands' in one SUM all-reduce of ``[w * d, w]``
+(:mod:`.merge`) over the transport. The merged aggregate lands where the
+step would have put it (``pending``, read by the applying step; or, with
+``sync_delay=0``, the diloco's ``land``), so every DiLoCo variant runs
+across islands with the numbers of one in-process ``diloco``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxopt_dist._src import base
+from jaxopt_dist._src.islands import merge
+from jaxopt_dist._src.islands.transport import ExchangeError, IslandsError, Transport
+from jaxopt_dist._src.training import layout
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncRecord:
+    """What one island saw of one synchronisation (a committed round that landed).
+
+    Attributes:
+      round: the round's number (rounds committed before it; the join is round 0).
+      step: the island's inner-step count after the round landed.
+      fragment: the fragment exchanged.
+      participants: the islands in the round, by id.
+      weights: their weights, in the same order.
+      healed: whether this island healed from a peer in this round (weight 0).
+      redone: how many times the exchange was run again among survivors.
+      anchor_sha256: SHA-256 of the anchor's float32 bytes after the round
+        (leaves in tree order): equal on every participant.
+      seconds: from the round's first quorum to its commit.
+    """
+
+    round: int
+    step: int
+    fragment: int
+    participants: tuple[int, ...]
+    weights: tuple[float, ...]
+    healed: bool
+    redone: int
+    anchor_sha256: str
+    seconds: float
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """A committed round, before it lands: the merged aggregate and what to log."""
+
+    fragment: int
+    merged: merge.Merged
+    new_agg: Any
+    healed: Any  # the healing (params, opt_state), or None
+    round: int
+    redone: int
+    seconds: float
+
+
+def anchor_sha256(opt_state: Any) -> str:
+    """SHA-256 of a :class:`jaxopt_dist.DiLoCoState`'s anchor as float32 bytes, leaves in tree order."""
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(opt_state.anchor):
+        h.update(np.ascontiguousarray(np.asarray(jax.device_get(x), np.float32)).tobytes())
+    return h.hexdigest()
+
+
+class Island:
+    """Runs a DiLoCo :func:`jaxopt_dist.data_parallel_step` as one island; see :func:`island`."""
+
+    def __init__(
+        self,
+        step: Any,
+        transport: Transport,
+        *,
+        island_id: int,
+        rule: str = "mean",
+        tokens_per_step: float = 1.0,
+        num_slots: int = 64,
+        round_timeout: float = 600.0,
+        on_sync: Callable[[SyncRecord, Any, Any], None] | None = None,
+    ):
+        _check_step(step)
+        if not 0 <= island_id < num_slots:
+            raise ValueError(f"`island_id` must be in [0, num_slots={num_slots}); got {island_id}.")
+        if not tokens_per_step > 0:
+            raise ValueError(f"`tokens_per_step` must be > 0; got {tokens_per_step}.")
+        if not round_timeout > 0:
+            raise ValueError(f"`round_timeout` must be > 0 seconds; got {round_timeout}.")
+        self.rule = merge.check_rule(rule)
+        self.exchange = step.tx.external
+        self.step = dataclasses.replace(step, tx=self.exchange.trusting)
+        self.transport = transport
+        self.island_id, self.num_slots = int(island_id), int(num_slots)
+        self.tokens_per_step, self.round_timeout = float(tokens_per_step), float(round_timeout)
+        self.on_sync = on_sync
+        self.records: list[SyncRecord] = []
+        self._snapshot: Any = None
+        self._healing: Any = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="island-round")
+        self._flight: concurrent.futures.Future | None = None
+        self._unrecorded: _Outcome | None = None
+        self._steps_since_sync = 0
+        self._t: int | None = None
+        self._last: Any = None
+        self._programs: dict[Any, Any] = {}
+
+    # ---------------------------------------------------------------- public
+    def init(self, params: Any) -> tuple[Any, Any]:
+        """Places ``params`` and the state, joins the others (round 0), and heals if they are ahead."""
+        params, opt_state = self.step.init(params)
+        self._snapshot = (params, opt_state)
+        self.transport.bind(self.island_id, self._save, self._load)
+        params, opt_state = self._land(self._run_round(None, params, opt_state), params, opt_state)
+        return params, self._remember(opt_state)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """One inner step, then the outer exchange of the fragment it sent (if any) over the transport."""
+        t = self._count(opt_state)
+        if self._flight is not None and t % self.exchange.sync_every in self.exchange.land_phase:
+            params, opt_state = self._land(self._flight.result(), params, opt_state)
+            self._flight = None
+            t = self._count(opt_state)
+        params, opt_state, metrics = self.step(params, opt_state, batch)
+        self._steps_since_sync += 1
+        done, self._unrecorded = self._unrecorded, None
+        if done is not None and done.fragment in self.exchange.lands_at(t):
+            self._record(done, params, opt_state)
+        elif done is not None:
+            self._unrecorded = done
+        self._t = t + 1
+        for f in self.exchange.launches_after(t):
+            params, opt_state = self._launch(f, params, opt_state)
+        return params, self._remember(opt_state), metrics
+
+    def finish(self) -> None:
+        """Waits for a round still in flight (so that its peers are not left waiting) and leaves."""
+        if self._flight is not None:
+            self._flight.result()
+            self._flight = None
+        self.transport.close()
+        self._pool.shutdown(wait=False)
+
+    # ------------------------------------------------------------- the round
+    def _remember(self, opt_state: Any) -> Any:
+        self._last = opt_state
+        return opt_state
+
+    def _count(self, opt_state: Any) -> int:
+        """The state's inner-step count (kept on the host for the state this island last returned)."""
+        if opt_state is not self._last or self._t is None:
+            self._t = int(np.asarray(jax.device_get(opt_state.count)).reshape(-1)[0])
+        return self._t
+
+    def _launch(self, f: int, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """After the step that sent fragment ``f``: its round, now (``sync_delay=0``) or beside the next steps."""
+        self._snapshot = (params, opt_state)
+        if self.exchange.land is not None:
+            return self._land(self._run_round(f, params, opt_state), params, opt_state)
+        self._flight = self._pool.submit(self._run_round, f, params, opt_state)
+        return params, opt_state
+
+    def _run_round(self, f: int | None, params: Any, opt_state: Any) -> _Outcome:
+        """Quorum, all-reduce and commit, run again among survivors until it commits (within the bound)."""
+        start, redone, healed = time.monotonic(), 0, None
+        own, new_agg = self._contribution(f, params, opt_state)
+        while True:
+            if self.transport.quorum():
+                healed = self._adopt(params, opt_state)
+                f = self._fragment_of(healed[1])
+                own, new_agg = self._nothing(f, healed[1])
+            weight = self._weight(f, healed is not None)
+            try:
+                total = self.transport.allreduce(
+                    merge.pack(own, weight, slot=self.island_id, num_slots=self.num_slots)
+                )
+                if self.transport.commit():
+                    break
+            except ExchangeError:
+                pass
+            redone += 1
+            if time.monotonic() - start > self.round_timeout:
+                raise IslandsError(
+                    f"island {self.island_id}: the round did not commit within {self.round_timeout} s "
+                    f"({redone} tries)"
+                )
+        merged = merge.unpack(total, own, num_slots=self.num_slots)
+        rounds = self.transport.rounds_committed() - 1
+        frag = -1 if f is None else f
+        return _Outcome(frag, merged, new_agg, healed, rounds, redone, time.monotonic() - start)
+
+    def _weight(self, f: int | None, healed: bool) -> float:
+        if (
+            f is None or healed
+        ):  # the join round carries no pseudo-gradient; a healed island repeats its source
+            return 0.0
+        return merge.island_weight(
+            self.rule, healed=False, tokens=self._steps_since_sync * self.tokens_per_step
+        )
+
+    def _fragment_of(self, opt_state: Any) -> int | None:
+        """The fragment a state (just after a send) waits to exchange; None for one that never stepped."""
+        t = int(np.asarray(jax.device_get(opt_state.count)).reshape(-1)[0])
+        if t == 0:
+            return None
+        sent = self.exchange.launches_after(t - 1)
+        if len(sent) != 1:
+            raise IslandsError(
+                f"island {self.island_id}: healed from a state at step {t}, which sent no fragment."
+            )
+        return sent[0]
+
+    def _contribution(self, f: int | None, params: Any, opt_state: Any) -> tuple[list[np.ndarray], Any]:
+        """This island's aggregate of fragment ``f`` on its own devices (host leaves), and its new aggregate state."""
+        if f is None:
+            return [], None
+        s = opt_state
+        d, new_agg = self._program("exchange", f, params)(s.outbox[f], s.aggregate_states[f], s.anchor)
+        new_agg = jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new_agg, s.aggregate_states[f])
+        return [np.asarray(x) for x in jax.device_get(d)], new_agg
+
+    def _nothing(self, f: int | None, opt_state: Any) -> tuple[list[np.ndarray], Any]:
+        """A healed island's share: zeros (it weighs 0), its aggregate state untouched."""
+        if f is None:
+            return [], None
+        zeros = [np.zeros(x.shape, x.dtype) for x in _fragment_leaves(opt_state, f, self.exchange)]
+        return zeros, opt_state.aggregate_states[f]
+
+    # --------------------------------------------------------------- healing
+    def _save(self) -> Any:
+        """The healing state a lagging peer takes: this island's state at the start of the round."""
+        params, opt_state = self._snapshot
+        return {
+            "params": [np.asarray(x) for x in jax.device_get(jax.tree.leaves(params))],
+            "opt_state": [np.asarray(x) for x in jax.device_get(jax.tree.leaves(opt_state))],
+        }
+
+    def _load(self, payload: Any) -> None:
+        self._healing = payload
+
+    def _adopt(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """The healing state received in the quorum, placed like this island's; its residuals zeroed."""
+        payload, self._healing = self._healing, None
+        if payload is None:
+            raise IslandsError(f"island {self.island_id}: the transport said it healed but sent no state.")
+        new_params = _placed_like(params, payload["params"])
+        new_state = _placed_like(opt_state, payload["opt_state"])
+        self._steps_since_sync = 0
+        mask = self._mask(params).aggregate_states
+        agg = jax.tree.map(
+            lambda x, m: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding) if m else x,
+            new_state.aggregate_states,
+            mask,
+        )
+        return new_params, new_state._replace(aggregate_states=agg)
+
+    # --------------------------------------------------------------- landing
+    def _land(self, o: _Outcome, params: Any, opt_state: Any) -> tuple[Any, Any]:
+        """Writes a committed round into the state (after taking the healing state, if it healed)."""
+        if o.healed is not None:
+            params, opt_state = o.healed
+            self._t = None
+        f = o.fragment
+        if f < 0:  # a join round: nothing to land
+            return params, opt_state
+        aggs = list(opt_state.aggregate_states)
+        aggs[f] = o.new_agg
+        s = opt_state._replace(aggregate_states=tuple(aggs))
+        self._steps_since_sync = 0
+        if self.exchange.land is None:  # the applying step reads it
+            pend, exch = list(s.pending), list(s.exchanged)
+            pend[f] = [jax.device_put(d, p.sharding) for d, p in zip(o.merged.delta, s.pending[f])]
+            exch[f] = jax.device_put(np.ones((), bool), exch[f].sharding)
+            self._unrecorded = o
+            return params, s._replace(pending=tuple(pend), exchanged=tuple(exch))
+        delta = [
+            jax.device_put(d, x.sharding)
+            for d, x in zip(o.merged.delta, _fragment_leaves(s, f, self.exchange))
+        ]
+        new = self._program("land", f, params)(params, s, delta)
+        params, s = jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), new, (params, s))
+        self._record(o, params, s)
+        return params, s
+
+    def _record(self, o: _Outcome, params: Any, opt_state: Any) -> None:
+        rec = SyncRecord(
+            round=o.round,
+            step=int(np.asarray(jax.device_get(opt_state.count)).reshape(-1)[0]),
+            fragment=o.fragment,
+            participants=tuple(o.merged.participants),
+            weights=tuple(o.merged.weights),
+            healed=o.healed is not None,
+            redone=o.redone,
+            anchor_sha256=anchor_sha256(opt_state),
+            seconds=o.seconds,
+        )
+        self.records.append(rec)
+        if self.on_sync is not None:
+            self.on_sync(rec, params, opt_state)
+
+    # -------------------------------------------------------------- programs
+    def _mask(self, params: Any) -> Any:
+        local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
+        return self.step.placement(local).per_worker
+
+    def _program(self, kind: str, f: int, params: Any) -> Any:
+        key = (kind, f)
+        if key not in self._programs:
+            build = _exchange_program if kind == "exchange" else _land_program
+            self._programs[key] = build(self.exchange, f, self._mask(params), self.step.axis_name)
+        return self._programs[key]
+
+
+def _check_step(step: Any) -> None:
+    external = getattr(getattr(step, "tx", None), "external", None)
+    if external is None:
+        raise ValueError(
+            "an Island needs a data_parallel_step whose `tx` is a jaxopt_dist.diloco(...) itself "
+            f"(got {type(getattr(step, 'tx', None)).__name__})."
+        )
+    if not getattr(step, "per_worker_params", False):
+        raise ValueError("an Island needs a data_parallel_step with per_worker_params=True (DiLoCo's).")
+    if external.land is None and external.launch_phase == external.land_phase:
+        raise ValueError(
+            "diloco(eager=True) does not run across islands: its eager outer step divides by the number "
+            "of workers, which changes from round to round there."
+        )
+    n = layout.mesh_axis_size(step.mesh, step.axis_name)
+    if n != 1:
+        raise ValueError(
+            f"an island is one DiLoCo worker: its mesh's data axis {step.axis_name!r} must have size 1 "
+            f"(got {n}); split the batch over its other devices with `batch_axes` (and `param_specs`), "
+            "as for a sharded model."
+        )
+    if jax.process_count() > 1:
+        raise ValueError("an Island runs in one JAX process.")
+
+
+def _axes(mask: Any) -> Any:
+    return jax.tree.map(lambda m: 0 if m else None, mask)
+
+
+def _exchange_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
+    """``(outbox_f, aggregate_state_f, anchor) -> (aggregate_f, aggregate_state_f)`` on the island's devices."""
+    agg_axes = _axes(mask.aggregate_states[f])
+
+    def one(outbox_f, agg_f, anchor):
+        anchor_f = [jax.tree.leaves(anchor)[i] for i in exchange.fragments(anchor)[f]]
+        return exchange.run(f, outbox_f, agg_f, anchor_f)
+
+    run = jax.vmap(one, in_axes=(0, agg_axes, None), out_axes=(0, agg_axes), axis_name=axis_name)
+    return jax.jit(lambda o, a, anchor: (lambda d, s: ([x[0] for x in d], s))(*run(o, a, anchor)))
+
+
+def _land_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
+    """``(params, state, aggregate_f) -> (params, state)``: fragment ``f``'s outer step (``sync_delay=0``)."""
+    del axis_name
+    state_axes = _axes(mask)
+
+    def one(params, state, delta):
+        return exchange.land(f, params, state, delta)
+
+    return jax.jit(jax.vmap(one, in_axes=(0, state_axes, None), out_axes=(0, state_axes)))
+
+
+def _fragment_leaves(state: Any, f: int, exchange: Any) -> list[Any]:
+    """The anchor's leaves of fragment ``f`` (the merged aggregate is placed like them)."""
+    leaves = jax.tree.leaves(state.anchor)
+    return [leaves[i] for i in exchange.fragments(state.anchor)[f]]
+
+
+def _placed_like(template: Any, leaves: list[np.ndarray]) -> Any:
+    """Host ``leaves`` placed like ``template``'s arrays (same tree order, shapes and dtypes)."""
+    targets, treedef = jax.tree.flatten(template)
+    if len(leaves) != len(targets) or any(np.shape(a) != t.shape for a, t in zip(leaves, targets)):
+        raise IslandsError(
+            "the healing state does not fit this island's model: "
+            f"{[np.shape(a) for a in leaves][:4]}... against {[t.shape for t in targets][:4]}..."
+        )
+    placed = [jax.device_put(np.asarray(a, t.dtype), t.sharding) for a, t in zip(leaves, targets)]
+    return jax.tree.unflatten(treedef, placed)

@@ -1,0 +1,180 @@
+r"""How islands merge their pseudo-gradients: one SUM all-reduce of a packed ``[w * delta, w]``.
+
+Each island ``i`` of a round sends ``w_i * d_i`` (``d_i`` its fragment's
+pseudo-gradient, as its ``aggregate`` left it) and its weight ``w_i``; after
+the sum every island divides, so every rule below is one all-reduce:
+
+* ``"mean"``: ``w_i = 1`` for every island that took part in the round with
+  its own inner steps (as torchft and PCCL), 0 for an island that healed in
+  this round (its pseudo-gradient would repeat its healing source's).
+* ``"tokens"``: ``w_i`` = the tokens the island trained on since it last
+  synchronised (Decoupled DiLoCo's token weighting), 0 when it healed.
+
+The same packing runs inside a jitted step as a ``diloco(aggregate=...)``
+(:func:`weighted_mean`), so an in-process run with a participation mask is
+the reference for islands that join and leave.
+
+The host buffer also carries, per island slot, whether the island took part
+and its weight, so every participant learns who was in the round from the
+same all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxopt_dist._src import base, comm
+
+RULES = ("mean", "tokens")
+
+
+def check_rule(rule: Any) -> str:
+    if rule not in RULES:
+        raise ValueError(f"`rule` must be one of {RULES}; got {rule!r}.")
+    return rule
+
+
+def island_weight(rule: str, *, healed: bool, tokens: float) -> float:
+    """An island's weight in a round: 0 when it healed in it, else 1 (``"mean"``) or ``tokens``."""
+    check_rule(rule)
+    if healed:
+        return 0.0
+    if rule == "mean":
+        return 1.0
+    if not tokens > 0:
+        raise ValueError(f"an island that took part in a round must have trained on tokens; got {tokens}.")
+    return float(tokens)
+
+
+class Merged(NamedTuple):
+    """A round's result, read off the summed buffer.
+
+    Attributes:
+      delta: the merged pseudo-gradient's leaves, ``sum_i w_i d_i / sum_i w_i``
+        (zeros when every weight is 0).
+      participants: the slots that took part, in increasing order.
+      weights: their weights, in the same order.
+    """
+
+    delta: list[np.ndarray]
+    participants: list[int]
+    weights: list[float]
+
+
+def pack(leaves: Sequence[Any], weight: float, *, slot: int, num_slots: int) -> np.ndarray:
+    """The float32 buffer an island all-reduces: ``[w * d (flat), w, present[slots], weight[slots]]``.
+
+    A fresh, writable array (an all-reduce may write into it in place).
+    """
+    if not 0 <= slot < num_slots:
+        raise ValueError(f"island slot {slot} is outside [0, {num_slots}).")
+    sizes = [int(np.size(x)) for x in leaves]
+    buf = np.zeros(sum(sizes) + 1 + 2 * num_slots, np.float32)
+    start = 0
+    w = np.float32(weight)
+    for x, n in zip(leaves, sizes):
+        buf[start : start + n] = np.asarray(x, np.float32).reshape(-1) * w
+        start += n
+    buf[start] = w
+    buf[start + 1 + slot] = 1.0
+    buf[start + 1 + num_slots + slot] = w
+    return buf
+
+
+def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int) -> Merged:
+    """The merged round from the summed buffer; ``like``: the leaves' shapes and dtypes."""
+    sizes = [int(np.size(x)) for x in like]
+    body = sum(sizes)
+    if buf.shape != (body + 1 + 2 * num_slots,):
+        raise ValueError(
+            f"the summed buffer has {buf.shape[0]} entries; this fragment needs {body + 1 + 2 * num_slots}: "
+            "the islands of one round exchanged different fragments or models."
+        )
+    total = np.float32(buf[body])
+    present = buf[body + 1 : body + 1 + num_slots]
+    slot_w = buf[body + 1 + num_slots :]
+    out, start = [], 0
+    for x, n in zip(like, sizes):
+        piece = buf[start : start + n] / total if total > 0 else np.zeros(n, np.float32)
+        out.append(piece.astype(np.float32).reshape(np.shape(x)).astype(x.dtype))
+        start += n
+    slots = [int(i) for i in np.flatnonzero(present > 0.5)]
+    return Merged(out, slots, [float(slot_w[i]) for i in slots])
+
+
+class WeightedMeanState(NamedTuple):
+    """State for :func:`jaxopt_dist.islands.weighted_mean`.
+
+    Attributes:
+      rounds: int32[], rounds merged so far (of this fragment); replicated.
+    """
+
+    rounds: jax.Array  # int32[], replicated
+
+
+def weighted_mean(
+    weights: Any = None, *, axis_name: base.AxisName = base.DEFAULT_AXIS_NAME
+) -> optax.GradientTransformationExtraArgs:
+    r"""The islands' merge inside a step: ``sum_i w_i d_i / sum_i w_i`` as one ``psum`` of ``[w d, w]``.
+
+    Use it as ``diloco(aggregate=weighted_mean(weights))`` for the in-process
+    reference of islands that join, leave or heal: worker ``i`` stands for
+    island ``i`` and ``weights[r, i]`` is its weight in round ``r`` (0: absent,
+    or healed in that round).
+
+    Args:
+      weights: None (every weight 1: the mean); an array ``[rounds, workers]``
+        (round ``r`` uses row ``min(r, rounds - 1)``); or a function of the
+        round (int32[]) returning the ``[workers]`` weights. With Streaming
+        DiLoCo each fragment counts its own rounds.
+      axis_name: the workers' axis.
+
+    Returns:
+      A :class:`optax.GradientTransformationExtraArgs` whose state is a
+      :class:`WeightedMeanState`.
+
+    Communication:
+      One ``psum`` of the leaves and one float32 (the weight), fused into
+      one buffer; the output is replicated.
+    """
+    axis_name = base.validate_axis_name(axis_name)
+    table = None if weights is None or callable(weights) else np.asarray(weights, np.float32)
+    if table is not None and table.ndim != 2:
+        raise ValueError(f"`weights` must be [rounds, workers]; got shape {table.shape}.")
+
+    def weight_of(r: jax.Array, i: jax.Array) -> jax.Array:
+        if weights is None:
+            return jnp.ones([], jnp.float32)
+        if table is not None:
+            return jnp.asarray(table)[jnp.minimum(r, table.shape[0] - 1), i]
+        return jnp.asarray(weights(r), jnp.float32)[i]
+
+    def init_fn(params):
+        del params
+        return WeightedMeanState(rounds=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        n = comm.require_axis(axis_name, "weighted_mean")
+        if table is not None and table.shape[1] != n:
+            raise ValueError(f"`weights` has {table.shape[1]} columns for {n} workers.")
+        w = weight_of(state.rounds, comm.axis_index(axis_name))
+        leaves, treedef = jax.tree.flatten(updates)
+        flat = jnp.concatenate([(x.astype(jnp.float32) * w).reshape(-1) for x in leaves] + [w[None]])
+        total = comm.psum(flat, axis_name, caller="weighted_mean")
+        merged = _divide(total[:-1], total[-1])
+        out = base.split_flat(merged, leaves, treedef)
+        out = jax.tree.map(lambda m, x: m.astype(x.dtype), out, updates)
+        return out, WeightedMeanState(rounds=optax.safe_increment(state.rounds))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _divide(body: jax.Array, total: jax.Array) -> jax.Array:
+    return jnp.where(total > 0, body / jnp.where(total > 0, total, 1.0), 0.0)

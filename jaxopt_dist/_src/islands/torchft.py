@@ -1,0 +1,126 @@
+"""The islands' transport over torchft: its lighthouse, ``Manager``, reconfigurable gloo and HTTP healing.
+
+The only module of the library that imports torch (``pip install
+"jaxopt_dist[islands]"``). One :class:`TorchftTransport` per island (one
+process): a ``Manager`` of a replica group of one rank, whose quorum comes
+from torchft's lighthouse and whose all-reduce runs on a
+``ProcessGroupGloo`` that torchft rebuilds whenever the membership changes.
+A lagging island heals in the quorum from a peer's healing state, streamed
+over HTTP (pickled: islands must trust each other).
+
+JAX buffers cross as NumPy: the packed round buffer is a fresh writable
+float32 array, wrapped by ``torch.from_numpy`` (no copy) and all-reduced in
+place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from jaxopt_dist._src.islands.transport import ExchangeError, IslandsError, Transport
+
+
+@dataclasses.dataclass
+class TorchftTransport(Transport):
+    """An island's link to the others over torchft 0.2 (see :func:`jaxopt_dist.islands.torchft_transport`)."""
+
+    lighthouse: str
+    min_islands: int = 2
+    timeout: float = 10.0
+    quorum_timeout: float = 120.0
+    connect_timeout: float = 10.0
+    quorum_retries: int = 0
+    hostname: str = dataclasses.field(default_factory=socket.gethostname)
+    _manager: Any = dataclasses.field(default=None, init=False, repr=False)
+    _store: Any = dataclasses.field(default=None, init=False, repr=False)
+    _healed: bool = dataclasses.field(default=False, init=False, repr=False)
+
+    def bind(self, island_id: int, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        import torch
+        import torch.distributed as dist
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        torch.set_num_threads(1)
+        self._store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+
+        def load_marked(state: Any) -> None:
+            self._healed = True
+            load(state)
+
+        seconds = timedelta(seconds=self.timeout)
+        self._manager = Manager(
+            pg=ProcessGroupGloo(timeout=seconds),
+            load_state_dict=load_marked,
+            state_dict=save,
+            min_replica_size=self.min_islands,
+            use_async_quorum=False,
+            timeout=seconds,
+            quorum_timeout=timedelta(seconds=self.quorum_timeout),
+            connect_timeout=timedelta(seconds=self.connect_timeout),
+            rank=0,
+            world_size=1,
+            store_addr="localhost",
+            store_port=self._store.port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=f"island_{island_id}",
+            hostname=self.hostname,
+            init_sync=False,
+            quorum_retries=self.quorum_retries,
+        )
+
+    def quorum(self) -> bool:
+        self._healed = False
+        try:
+            self._manager.start_quorum()
+        except Exception as e:  # torchft raises a bare timeout or RuntimeError from its Rust client
+            raise IslandsError(f"no quorum of islands within {self.quorum_timeout} s: {e}") from e
+        if self._manager.errored():
+            raise ExchangeError(f"the quorum failed: {self._manager.errored()}")
+        return self._healed
+
+    def allreduce(self, buf: np.ndarray) -> np.ndarray:
+        import torch
+        from torch.distributed import ReduceOp
+
+        tensor = torch.from_numpy(buf)
+        self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        if self._manager.errored():
+            raise ExchangeError(f"the all-reduce failed: {self._manager.errored()}")
+        return buf
+
+    def commit(self) -> bool:
+        return bool(self._manager.should_commit())
+
+    def rounds_committed(self) -> int:
+        return int(self._manager.current_step())
+
+    def close(self) -> None:
+        if self._manager is not None:
+            self._manager.shutdown(wait=False)
+
+
+def start_lighthouse(
+    bind: str = "[::]:0",
+    *,
+    min_islands: int = 2,
+    join_timeout_ms: int = 200,
+    heartbeat_timeout_ms: int = 2000,
+    quorum_tick_ms: int = 100,
+) -> Any:
+    """torchft's lighthouse in this process: a ``LighthouseServer`` (``.address()``, ``.shutdown()``)."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_islands,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )

@@ -1,0 +1,142 @@
+"""Islands: DiLoCo across separately launched JAX jobs that die and rejoin.
+
+``from jaxopt_dist import islands``. An island is one JAX job (a host, a
+cluster) that takes DiLoCo's inner steps alone; the outer exchange between
+islands goes over a transport with per-round membership: an island that dies
+is left out of the next round, the survivors redo an interrupted exchange
+among themselves, and a restarted island heals from a live peer and weighs 0
+in the round it heals in. See :func:`island`, :func:`torchft_transport` and
+the Islands guide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxopt_dist._src.islands.island import Island, SyncRecord, anchor_sha256
+from jaxopt_dist._src.islands.merge import (
+    RULES,
+    Merged,
+    WeightedMeanState,
+    island_weight,
+    pack,
+    unpack,
+    weighted_mean,
+)
+from jaxopt_dist._src.islands.transport import (
+    ExchangeError,
+    IslandKilled,
+    IslandsError,
+    LocalHub,
+    LocalTransport,
+    Transport,
+)
+
+
+def torchft_transport(lighthouse: str, **options: Any) -> Transport:
+    """The transport over torchft 0.2 (``pip install "jaxopt_dist[islands]"``; imports torch).
+
+    Args:
+      lighthouse: ``HOST:PORT`` of torchft's lighthouse (``torchft_lighthouse
+        --min_replicas 2 --join_timeout_ms 200 --heartbeat_timeout_ms 2000``,
+        or :func:`start_lighthouse`).
+      **options: ``min_islands`` (fewest islands in a round, default 2),
+        ``timeout`` (seconds an all-reduce, commit vote or heal may take,
+        default 10), ``quorum_timeout`` (seconds to wait for a quorum, default
+        120; then :class:`IslandsError`), ``connect_timeout`` (default 10),
+        ``quorum_retries`` (times a failed quorum request is retried, e.g.
+        while the lighthouse restarts; default 0), ``hostname`` (the name
+        peers heal from; default this host's name).
+
+    Returns:
+      A :class:`Transport` for one :class:`Island`.
+    """
+    from jaxopt_dist._src.islands.torchft import TorchftTransport
+
+    return TorchftTransport(lighthouse, **options)
+
+
+def start_lighthouse(bind: str = "[::]:0", **options: Any) -> Any:
+    """torchft's lighthouse in this process (``.address()``, ``.shutdown()``); imports torch.
+
+    Args:
+      bind: the address to listen on (``"[::]:0"``: any free port).
+      **options: ``min_islands`` (2), ``join_timeout_ms`` (200: how long a
+        quorum waits for live islands that have not asked), ``heartbeat_timeout_ms``
+        (2000: silence after which an island is left out), ``quorum_tick_ms`` (100).
+    """
+    from jaxopt_dist._src.islands.torchft import start_lighthouse as start
+
+    return start(bind, **options)
+
+
+def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -> Island:
+    r"""Runs ``step`` (a DiLoCo :func:`jaxopt_dist.data_parallel_step`) as one island over ``transport``.
+
+    ``step``'s ``tx`` must be a :func:`jaxopt_dist.diloco` (any fragments,
+    ``sync_delay``, ``mixing``, ``aggregate``; not ``eager``), with
+    ``per_worker_params=True`` and a data axis of size 1: the island is one
+    DiLoCo worker, and splits its batch over its own devices with the step's
+    ``batch_axes``/``param_specs`` as usual. The island runs the diloco's
+    ``external`` twin: after the step that sends a fragment, it runs the
+    ``aggregate`` on its own devices and merges the result with the other
+    islands' in one SUM all-reduce of ``[w * d, w]`` (``w``: 1, or the tokens
+    since it last synchronised with ``rule="tokens"``; 0 in a round it heals
+    in). With ``sync_delay=0`` the round runs right after that step; with
+    ``sync_delay >= 1`` in a thread beside the next inner steps, landing in
+    the step that applies it.
+
+    A round is: quorum (an island that is behind heals from a peer here), the
+    all-reduce, the commit. When the all-reduce fails (a member died or
+    stalled past the transport's timeout), the survivors form a new quorum and
+    redo it with the same pseudo-gradients, until it commits or
+    ``round_timeout`` passes (:class:`IslandsError`). Every participant of a
+    round ends it with the same anchor, bit for bit.
+
+    Call :meth:`Island.init` once (it joins the others and heals if they are
+    ahead), then the island like the step; :meth:`Island.finish` at the end.
+
+    Args:
+      step: the island's :func:`jaxopt_dist.data_parallel_step`.
+      transport: :func:`torchft_transport`, or a :class:`LocalHub`'s.
+      island_id: this island's slot, in ``[0, num_slots)``; unique among
+        live islands (a restarted island may take its old id or a new one).
+      **options: ``rule`` (``"mean"`` or ``"tokens"``), ``tokens_per_step``
+        (for ``"tokens"``), ``num_slots`` (64), ``round_timeout`` (seconds,
+        600), ``on_sync`` (``(SyncRecord, params, opt_state) -> None``, called
+        after each round lands).
+
+    Returns:
+      An :class:`Island`: ``params, opt_state = island.init(params)``, then
+      ``params, opt_state, metrics = island(params, opt_state, batch)``.
+
+    Communication:
+      Nothing inside the step. Per round: the ``aggregate`` on the island's
+      own devices, then one float32 all-reduce over the transport of the
+      fragment's elements plus ``1 + 2 * num_slots`` floats; a healing
+      island receives a whole copy of the parameters and optimizer state.
+    """
+    return Island(step, transport, island_id=island_id, **options)
+
+
+__all__ = (
+    "RULES",
+    "ExchangeError",
+    "Island",
+    "IslandKilled",
+    "IslandsError",
+    "LocalHub",
+    "LocalTransport",
+    "Merged",
+    "SyncRecord",
+    "Transport",
+    "WeightedMeanState",
+    "anchor_sha256",
+    "island",
+    "island_weight",
+    "pack",
+    "start_lighthouse",
+    "torchft_transport",
+    "unpack",
+    "weighted_mean",
+)
