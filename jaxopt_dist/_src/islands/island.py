@@ -120,9 +120,17 @@ class Island:
         self._programs: dict[Any, Any] = {}
 
     # ---------------------------------------------------------------- public
-    def init(self, params: Any) -> tuple[Any, Any]:
-        """Places ``params`` and the state, joins the others (round 0), and heals if they are ahead."""
+    def init(self, params: Any, *, warmup_batch: Any = None) -> tuple[Any, Any]:
+        """Places ``params`` and the state, joins the others (round 0), and heals if they are ahead.
+
+        With ``warmup_batch`` (a batch of the shapes to come), the step and the
+        island's own programs are compiled first, on copies, so that the first
+        rounds do not wait for a compiler (and peers do not leave this island
+        out for being slow).
+        """
         params, opt_state = self.step.init(params)
+        if warmup_batch is not None:
+            self._warm_up(params, opt_state, warmup_batch)
         self._snapshot = (params, opt_state)
         self.transport.bind(self.island_id, self._save, self._load)
         params, opt_state = self._land(self._run_round(None, params, opt_state), params, opt_state)
@@ -146,6 +154,19 @@ class Island:
         for f in self.exchange.launches_after(t):
             params, opt_state = self._launch(f, params, opt_state)
         return params, self._remember(opt_state), metrics
+
+    def _warm_up(self, params: Any, opt_state: Any, batch: Any) -> None:
+        """Compiles the step, and the exchange and landing of every fragment, on throwaway copies."""
+        copy = jax.tree.map(lambda x: x.copy(), (params, opt_state))
+        p, s, _ = self.step(*copy, batch)
+        for f in range(len(opt_state.outer_states)):
+            own, _ = self._contribution(f, p, s)
+            if self.exchange.land is not None:
+                jax.block_until_ready(self._land_now(f, merge.Merged(own, [], []), p, s))
+
+    def step_count(self, opt_state: Any) -> int:
+        """The inner steps ``opt_state`` has taken (after healing: its source's count)."""
+        return self._count(opt_state)
 
     def finish(self) -> None:
         """Waits for a round still in flight (so that its peers are not left waiting) and leaves."""
@@ -287,14 +308,16 @@ class Island:
             exch[f] = jax.device_put(np.ones((), bool), exch[f].sharding)
             self._unrecorded = o
             return params, s._replace(pending=tuple(pend), exchanged=tuple(exch))
-        delta = [
-            jax.device_put(d, x.sharding)
-            for d, x in zip(o.merged.delta, _fragment_leaves(s, f, self.exchange))
-        ]
-        new = self._program("land", f, params)(params, s, delta)
-        params, s = jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), new, (params, s))
+        params, s = self._land_now(f, o.merged, params, s)
         self._record(o, params, s)
         return params, s
+
+    def _land_now(self, f: int, merged: merge.Merged, params: Any, s: Any) -> tuple[Any, Any]:
+        """The diloco's ``land`` of fragment ``f`` with the merged aggregate (``sync_delay=0``)."""
+        leaves = _fragment_leaves(s, f, self.exchange)
+        delta = [jax.device_put(d, x.sharding) for d, x in zip(merged.delta, leaves)]
+        new = self._program("land", f, params)(params, s, delta)
+        return jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), new, (params, s))
 
     def _record(self, o: _Outcome, params: Any, opt_state: Any) -> None:
         rec = SyncRecord(

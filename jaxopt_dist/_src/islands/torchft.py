@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -28,7 +29,18 @@ from jaxopt_dist._src.islands.transport import ExchangeError, IslandsError, Tran
 
 @dataclasses.dataclass
 class TorchftTransport(Transport):
-    """An island's link to the others over torchft 0.2 (see :func:`jaxopt_dist.islands.torchft_transport`)."""
+    """An island's link to the others over torchft 0.2 (see :func:`jaxopt_dist.islands.torchft_transport`).
+
+    The quorum request is renewed every ``requery`` seconds (shorter than the
+    lighthouse's ``join_timeout_ms``). torchft's lighthouse forms a quorum at
+    once when the oldest waiting request is older than its join timeout: an
+    island left out of one round (late by a few milliseconds, or back from a
+    restart) would otherwise wait with an old request, pair with the first
+    island to ask for the next round and leave out the one asking a moment
+    later, round after round (each left-out island then heals, weighing 0).
+    A renewed request is never old, so the lighthouse waits its join timeout
+    for the others, who then all come in.
+    """
 
     lighthouse: str
     min_islands: int = 2
@@ -36,6 +48,7 @@ class TorchftTransport(Transport):
     quorum_timeout: float = 120.0
     connect_timeout: float = 10.0
     quorum_retries: int = 0
+    requery: float = 0.5
     hostname: str = dataclasses.field(default_factory=socket.gethostname)
     _manager: Any = dataclasses.field(default=None, init=False, repr=False)
     _store: Any = dataclasses.field(default=None, init=False, repr=False)
@@ -68,7 +81,7 @@ class TorchftTransport(Transport):
             world_size=1,
             store_addr="localhost",
             store_port=self._store.port,
-            lighthouse_addr=self.lighthouse,
+            lighthouse_addr=self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}",
             replica_id=f"island_{island_id}",
             hostname=self.hostname,
             init_sync=False,
@@ -76,11 +89,18 @@ class TorchftTransport(Transport):
         )
 
     def quorum(self) -> bool:
+        """Asks the lighthouse again every ``requery`` seconds until a quorum forms (see below)."""
         self._healed = False
-        try:
-            self._manager.start_quorum()
-        except Exception as e:  # torchft raises a bare timeout or RuntimeError from its Rust client
-            raise IslandsError(f"no quorum of islands within {self.quorum_timeout} s: {e}") from e
+        deadline = time.monotonic() + self.quorum_timeout
+        while True:
+            wait = min(self.requery, max(deadline - time.monotonic(), 0.001))
+            try:
+                self._manager.start_quorum(timeout=timedelta(seconds=wait))
+                break
+            except Exception as e:  # torchft raises its Rust client's timeout or a RuntimeError
+                self._manager._quorum_future = None  # torchft would raise the same error again
+                if time.monotonic() >= deadline:
+                    raise IslandsError(f"no quorum of islands within {self.quorum_timeout} s: {e}") from e
         if self._manager.errored():
             raise ExchangeError(f"the quorum failed: {self._manager.errored()}")
         return self._healed

@@ -1,0 +1,244 @@
+"""Islands: DiLoCo across separately launched JAX jobs that die, heal and rejoin (over torchft).
+
+Each island is its own process (its own JAX job) training a small MLP on
+scikit-learn's digits; every ``--sync-every`` steps the islands merge their
+pseudo-gradients over torchft. Kill one (SIGKILL), stop it (SIGSTOP), start it
+again: the others go on, and the restarted island heals from a live peer.
+
+Start torchft's lighthouse first, then the islands (each in its own shell)::
+
+    python examples/islands.py --serve-lighthouse 127.0.0.1:29510 --min-islands 2
+    python examples/islands.py --island-id 0 --lighthouse 127.0.0.1:29510 --log island0.jsonl
+    python examples/islands.py --island-id 1 --lighthouse 127.0.0.1:29510 --log island1.jsonl
+    python examples/islands.py --island-id 2 --lighthouse 127.0.0.1:29510 --log island2.jsonl
+
+``--serve-lighthouse`` runs torchft's ``LighthouseServer`` in this process
+until it is killed; torchft's own console script does the same:
+``torchft_lighthouse --bind [::]:29510 --min_replicas 2 --join_timeout_ms 200
+--heartbeat_timeout_ms 2000`` (its default ``--join_timeout_ms`` is 60000:
+every round would wait a minute for a dead island).
+
+``--log`` gets one JSON line per synchronisation (``island``, ``round``,
+``step``, ``fragment``, ``participants``, ``weights``, ``healed``,
+``redone``, ``anchor_sha256``, ``val_loss``, ``time``) and a final
+``{"island": ..., "done": true, "val_loss": ..., "steps": ...}``. An island
+that cannot go on (no quorum within ``--quorum-timeout``) writes
+``{"island": ..., "error": ...}`` and exits with status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, NamedTuple
+
+EXIT_NO_QUORUM = 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--serve-lighthouse", metavar="HOST:PORT", default=None, help="run the lighthouse here")
+    p.add_argument(
+        "--min-islands", type=int, default=2, help="fewest islands in a round (lighthouse and island)"
+    )
+    p.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=1000,
+        help="lighthouse: wait for live islands that have not asked (longer than a heal)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse: silence before exclusion"
+    )
+    p.add_argument("--island-id", type=int, default=None, help="this island's slot (0-63)")
+    p.add_argument("--lighthouse", metavar="HOST:PORT", default=None, help="the lighthouse's address")
+    p.add_argument("--steps", type=int, default=300, help="inner steps in all")
+    p.add_argument("--sync-every", type=int, default=10, help="H: inner steps per outer step")
+    p.add_argument("--num-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
+    p.add_argument("--sync-delay", type=int, default=0, help="steps a fragment's exchange may overlap")
+    p.add_argument("--rule", choices=("mean", "tokens"), default="mean", help="how rounds weigh islands")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the model's initialization (the same on every island)"
+    )
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds an all-reduce or heal may take")
+    p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds to wait for a quorum")
+    p.add_argument("--quorum-retries", type=int, default=3, help="retries of a failed quorum request")
+    p.add_argument("--log", default=None, help="append one JSON line per synchronisation here")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per inner step")
+    p.add_argument(
+        "--die-in-exchange-at",
+        type=int,
+        default=None,
+        help="fault injection: SIGKILL this island 10 ms after it issues its all-reduce of this round",
+    )
+    args = p.parse_args(argv)
+    if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
+        p.error("give --serve-lighthouse HOST:PORT, or --island-id ID and --lighthouse HOST:PORT")
+    for name in ("steps", "sync_every", "num_fragments", "batch_size", "hidden", "min_islands"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def serve_lighthouse(args: argparse.Namespace) -> None:
+    """torchft's lighthouse, until this process is killed."""
+    from jaxopt_dist import islands
+
+    server = islands.start_lighthouse(
+        args.serve_lighthouse,
+        min_islands=args.min_islands,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
+    print(f"lighthouse at {server.address()}", flush=True)
+    while True:  # until killed
+        time.sleep(3600)
+
+
+class Setup(NamedTuple):
+    """The model, its data and the optimizer (shared by every island and by the in-process reference)."""
+
+    loss_fn: Any
+    params: Any
+    tx: Any
+    batch_for: Any  # (island, step) -> batch
+    val_loss: Any  # params -> float
+
+
+def build(args: argparse.Namespace) -> Setup:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from sklearn.datasets import load_digits
+
+    import jaxopt_dist as jd
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16.0).astype(np.float32)
+    y = y.astype(np.int32)
+    x_train, y_train, x_val, y_val = x[:1500], y[:1500], x[1500:], y[1500:]
+
+    def loss_fn(p, b):
+        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+        logits = h @ p["w2"] + p["b2"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    k1, k2 = jax.random.split(jax.random.key(args.seed))
+    params = {
+        "w1": jax.random.normal(k1, (64, args.hidden)) * 64**-0.5,
+        "b1": jnp.zeros(args.hidden),
+        "w2": jax.random.normal(k2, (args.hidden, 10)) * args.hidden**-0.5,
+        "b2": jnp.zeros(10),
+    }
+
+    def batch_for(island: int, step: int) -> dict[str, Any]:
+        idx = np.random.default_rng([args.seed, island, step]).integers(0, len(x_train), args.batch_size)
+        return {"x": x_train[idx], "y": y_train[idx]}
+
+    val = jax.jit(lambda p: loss_fn(p, {"x": x_val, "y": y_val}))
+    tx = jd.diloco(
+        optax.adamw(args.lr),
+        sync_every=args.sync_every,
+        num_fragments=args.num_fragments,
+        sync_delay=args.sync_delay,
+    )
+    return Setup(loss_fn, params, tx, batch_for, lambda p: float(val(p)))
+
+
+class DyingTransport:
+    """A transport that SIGKILLs its own process 10 ms after issuing the all-reduce of one round."""
+
+    def __init__(self, inner: Any, round_: int):
+        self.inner, self.round = inner, round_
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def allreduce(self, buf: Any) -> Any:
+        if self.inner.rounds_committed() == self.round:
+            threading.Timer(0.01, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        return self.inner.allreduce(buf)
+
+
+def run_island(args: argparse.Namespace) -> int:
+    import jax
+
+    import jaxopt_dist as jd
+    from jaxopt_dist import islands
+
+    setup = build(args)
+    log_file = open(args.log, "a") if args.log else None  # noqa: SIM115
+
+    def log(**record: Any) -> None:
+        line = json.dumps({"island": str(args.island_id), **record, "time": time.time()})
+        if log_file is not None:
+            log_file.write(line + "\n")
+            log_file.flush()
+        print(line, flush=True)
+
+    def on_sync(rec: Any, params: Any, opt_state: Any) -> None:
+        anchor = jax.tree.map(lambda a: a, opt_state.anchor)
+        log(
+            round=rec.round,
+            step=rec.step,
+            fragment=rec.fragment,
+            participants=[str(i) for i in rec.participants],
+            weights=list(rec.weights),
+            healed=rec.healed,
+            redone=rec.redone,
+            seconds=round(rec.seconds, 4),
+            anchor_sha256=rec.anchor_sha256,
+            val_loss=setup.val_loss(anchor),
+        )
+
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True)
+    transport = islands.torchft_transport(
+        args.lighthouse,
+        min_islands=args.min_islands,
+        timeout=args.timeout,
+        quorum_timeout=args.quorum_timeout,
+        quorum_retries=args.quorum_retries,
+    )
+    if args.die_in_exchange_at is not None:
+        transport = DyingTransport(transport, args.die_in_exchange_at)
+    island = islands.island(step, transport, island_id=args.island_id, rule="mean", on_sync=on_sync)
+    try:
+        params, opt_state = island.init(setup.params, warmup_batch=setup.batch_for(args.island_id, 0))
+        t = island.step_count(opt_state)
+        while t < args.steps:
+            batch = setup.batch_for(args.island_id, t)
+            params, opt_state, _ = island(params, opt_state, batch)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            t = island.step_count(opt_state)
+        island.finish()
+    except islands.IslandsError as e:
+        log(error=str(e))
+        return EXIT_NO_QUORUM
+    log(done=True, val_loss=setup.val_loss(opt_state.anchor), steps=t)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.serve_lighthouse is not None:
+        serve_lighthouse(args)
+        return 0
+    return run_island(args)
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # torchft's threads and servers would otherwise keep a finished island alive
