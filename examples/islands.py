@@ -33,7 +33,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from typing import Any, NamedTuple
 
@@ -77,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--die-in-exchange-at",
         type=int,
         default=None,
-        help="fault injection: SIGKILL this island 10 ms after it issues its all-reduce of this round",
+        help="fault injection: SIGKILL this island as it enters the all-reduce of this round",
     )
     args = p.parse_args(argv)
     if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
@@ -155,7 +154,8 @@ def build(args: argparse.Namespace) -> Setup:
 
 
 class DyingTransport:
-    """A transport that SIGKILLs its own process 10 ms after issuing the all-reduce of one round."""
+    """A transport whose process SIGKILLs itself as it enters the all-reduce of one round (after its
+    quorum: the others are in, or entering, the same all-reduce)."""
 
     def __init__(self, inner: Any, round_: int):
         self.inner, self.round = inner, round_
@@ -165,7 +165,7 @@ class DyingTransport:
 
     def allreduce(self, buf: Any) -> Any:
         if self.inner.rounds_committed() == self.round:
-            threading.Timer(0.01, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+            os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.allreduce(buf)
 
 

@@ -220,16 +220,16 @@ def random_faults(n: int, islands: int, rounds: int, seed: int) -> list[Fault]:
 
 def summarize(rows: list[dict[str, Any]], hung: list[int]) -> dict[str, Any]:
     """Rounds committed, rounds redone, divergent anchors, hangs, final validation losses."""
-    by_round: dict[int, set[str]] = {}
-    for r in rows:
+    by_round: dict[int, set[tuple[Any, ...]]] = {}
+    for r in rows:  # every island that logged a round must have logged the same members and anchor
         if "round" in r:
-            by_round.setdefault(r["round"], set()).add(r["anchor_sha256"])
+            by_round.setdefault(r["round"], set()).add((tuple(r["participants"]), r["anchor_sha256"]))
     done = {r["island"]: r["val_loss"] for r in rows if r.get("done")}
     return {
         "rounds_committed": len(by_round),
         "rounds_redone": sum(r.get("redone", 0) for r in rows if "round" in r),
         "heals": sum(1 for r in rows if r.get("healed")),
-        "divergent_anchors": sum(1 for hashes in by_round.values() if len(hashes) > 1),
+        "divergent_anchors": sum(1 for seen in by_round.values() if len(seen) > 1),
         "hangs": len(hung),
         "errors": [r["error"] for r in rows if "error" in r],
         "final_val_loss": done,

@@ -110,6 +110,7 @@ class Island:
         self.on_sync = on_sync
         self.records: list[SyncRecord] = []
         self._snapshot: Any = None
+        self._digest = ""
         self._healing: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="island-round")
         self._flight: concurrent.futures.Future | None = None
@@ -132,8 +133,10 @@ class Island:
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
         self._snapshot = (params, opt_state)
+        self._digest = anchor_sha256(opt_state)
         self.transport.bind(self.island_id, self._save, self._load)
-        params, opt_state = self._land(self._run_round(None, params, opt_state), params, opt_state)
+        outcome = self._run_round(None, params, opt_state, self._digest)
+        params, opt_state = self._land(outcome, params, opt_state)
         return params, self._remember(opt_state)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
@@ -191,38 +194,56 @@ class Island:
         """After the step that sent fragment ``f``: its round, now (``sync_delay=0``) or beside the next steps."""
         self._snapshot = (params, opt_state)
         if self.exchange.land is not None:
-            return self._land(self._run_round(f, params, opt_state), params, opt_state)
-        self._flight = self._pool.submit(self._run_round, f, params, opt_state)
+            return self._land(self._run_round(f, params, opt_state, self._digest), params, opt_state)
+        self._flight = self._pool.submit(self._run_round, f, params, opt_state, self._digest)
         return params, opt_state
 
-    def _run_round(self, f: int | None, params: Any, opt_state: Any) -> _Outcome:
-        """Quorum, all-reduce and commit, run again among survivors until it commits (within the bound)."""
+    def _run_round(self, f: int | None, params: Any, opt_state: Any, digest: str) -> _Outcome:
+        """Quorum, all-reduce and commit, run again among survivors until it commits (within the bound).
+
+        ``digest``: the anchor's SHA-256 before the round (the members check that theirs agree).
+        """
         start, redone, healed = time.monotonic(), 0, None
         own, new_agg = self._contribution(f, params, opt_state)
         while True:
-            if self.transport.quorum():
-                healed = self._adopt(params, opt_state)
-                f = self._fragment_of(healed[1])
-                own, new_agg = self._nothing(f, healed[1])
-            weight = self._weight(f, healed is not None)
+            merged = None
             try:
-                total = self.transport.allreduce(
-                    merge.pack(own, weight, slot=self.island_id, num_slots=self.num_slots)
-                )
-                if self.transport.commit():
-                    break
+                if self.transport.quorum():
+                    healed = self._adopt(params, opt_state)
+                    f = self._fragment_of(healed[1])
+                    own, new_agg = self._nothing(f, healed[1])
+                    digest = anchor_sha256(healed[1])
+                merged = self._exchange(own, self._weight(f, healed is not None), digest)
             except ExchangeError:
                 pass
+            if self.transport.commit() and merged is not None:  # after a failure too: the transport counts it
+                break
             redone += 1
             if time.monotonic() - start > self.round_timeout:
                 raise IslandsError(
                     f"island {self.island_id}: the round did not commit within {self.round_timeout} s "
                     f"({redone} tries)"
                 )
-        merged = merge.unpack(total, own, num_slots=self.num_slots)
         rounds = self.transport.rounds_committed() - 1
         frag = -1 if f is None else f
         return _Outcome(frag, merged, new_agg, healed, rounds, redone, time.monotonic() - start)
+
+    def _exchange(self, own: list[np.ndarray], weight: float, digest: str) -> merge.Merged:
+        """One all-reduce of the packed round; the members' rounds and anchors must agree."""
+        buf = merge.pack(
+            own,
+            weight,
+            slot=self.island_id,
+            num_slots=self.num_slots,
+            round=self.transport.rounds_committed(),
+            anchor=merge.anchor_tag(digest),
+        )
+        merged = merge.unpack(self.transport.allreduce(buf), own, num_slots=self.num_slots)
+        if not merged.agree():
+            reason = f"members of one round disagree: rounds {merged.rounds}, anchor tags {merged.anchors}"
+            self.transport.abort(reason)
+            raise ExchangeError(reason)
+        return merged
 
     def _weight(self, f: int | None, healed: bool) -> float:
         if (
@@ -297,6 +318,7 @@ class Island:
             self._t = None
         f = o.fragment
         if f < 0:  # a join round: nothing to land
+            self._digest = anchor_sha256(opt_state)
             return params, opt_state
         aggs = list(opt_state.aggregate_states)
         aggs[f] = o.new_agg
@@ -332,6 +354,7 @@ class Island:
             seconds=o.seconds,
         )
         self.records.append(rec)
+        self._digest = rec.anchor_sha256
         if self.on_sync is not None:
             self.on_sync(rec, params, opt_state)
 

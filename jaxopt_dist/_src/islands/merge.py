@@ -14,9 +14,10 @@ The same packing runs inside a jitted step as a ``diloco(aggregate=...)``
 (:func:`weighted_mean`), so an in-process run with a participation mask is
 the reference for islands that join and leave.
 
-The host buffer also carries, per island slot, whether the island took part
-and its weight, so every participant learns who was in the round from the
-same all-reduce.
+The host buffer also carries, per island slot, whether the island took part,
+its weight, its round and a tag of its anchor, so every participant learns
+from the same all-reduce who was in the round, and that they all merged the
+same round from the same anchor.
 """
 
 from __future__ import annotations
@@ -60,30 +61,59 @@ class Merged(NamedTuple):
         (zeros when every weight is 0).
       participants: the slots that took part, in increasing order.
       weights: their weights, in the same order.
+      rounds: the round each participant said it was in, in the same order.
+      anchors: each participant's tag of its anchor before the round (see :func:`pack`).
     """
 
     delta: list[np.ndarray]
     participants: list[int]
     weights: list[float]
+    rounds: list[int] = []
+    anchors: list[int] = []
+
+    def agree(self) -> bool:
+        """Whether every participant was in the same round from the same anchor."""
+        return len(set(self.rounds)) <= 1 and len(set(self.anchors)) <= 1
 
 
-def pack(leaves: Sequence[Any], weight: float, *, slot: int, num_slots: int) -> np.ndarray:
-    """The float32 buffer an island all-reduces: ``[w * d (flat), w, present[slots], weight[slots]]``.
+TAG_BITS = 24  # a float32 holds every integer below 2**24 exactly
 
-    A fresh, writable array (an all-reduce may write into it in place).
+
+def anchor_tag(sha256_hex: str) -> int:
+    """The first 24 bits of an anchor's SHA-256: what an island puts in the buffer to say which anchor it has."""
+    return int(sha256_hex[: TAG_BITS // 4], 16)
+
+
+def _tail(num_slots: int) -> int:
+    return 1 + 4 * num_slots
+
+
+def pack(
+    leaves: Sequence[Any], weight: float, *, slot: int, num_slots: int, round: int = 0, anchor: int = 0
+) -> np.ndarray:
+    """The float32 buffer an island all-reduces.
+
+    ``[w * d (flat), w, present[slots], w[slots], round + 1[slots], anchor + 1[slots]]``:
+    after the sum, the slot vectors say who took part with which weight, in which round
+    (``round < 2**24 - 1``) and from which anchor (``anchor``: :func:`anchor_tag`), so that
+    every participant can check that they all merged the same round. A fresh, writable
+    array (an all-reduce may write into it in place).
     """
     if not 0 <= slot < num_slots:
         raise ValueError(f"island slot {slot} is outside [0, {num_slots}).")
+    if not (0 <= round < 2**TAG_BITS - 1 and 0 <= anchor < 2**TAG_BITS - 1):
+        raise ValueError(f"`round` and `anchor` must be in [0, 2**24 - 1); got {round}, {anchor}.")
     sizes = [int(np.size(x)) for x in leaves]
-    buf = np.zeros(sum(sizes) + 1 + 2 * num_slots, np.float32)
+    body = sum(sizes)
+    buf = np.zeros(body + _tail(num_slots), np.float32)
     start = 0
     w = np.float32(weight)
     for x, n in zip(leaves, sizes):
         buf[start : start + n] = np.asarray(x, np.float32).reshape(-1) * w
         start += n
-    buf[start] = w
-    buf[start + 1 + slot] = 1.0
-    buf[start + 1 + num_slots + slot] = w
+    buf[body] = w
+    for k, value in enumerate((1.0, w, round + 1, anchor + 1)):
+        buf[body + 1 + k * num_slots + slot] = value
     return buf
 
 
@@ -91,21 +121,26 @@ def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int) -> Merged:
     """The merged round from the summed buffer; ``like``: the leaves' shapes and dtypes."""
     sizes = [int(np.size(x)) for x in like]
     body = sum(sizes)
-    if buf.shape != (body + 1 + 2 * num_slots,):
+    if buf.shape != (body + _tail(num_slots),):
         raise ValueError(
-            f"the summed buffer has {buf.shape[0]} entries; this fragment needs {body + 1 + 2 * num_slots}: "
+            f"the summed buffer has {buf.shape[0]} entries; this fragment needs {body + _tail(num_slots)}: "
             "the islands of one round exchanged different fragments or models."
         )
     total = np.float32(buf[body])
-    present = buf[body + 1 : body + 1 + num_slots]
-    slot_w = buf[body + 1 + num_slots :]
+    present, slot_w, rounds, anchors = buf[body + 1 :].reshape(4, num_slots)
     out, start = [], 0
     for x, n in zip(like, sizes):
         piece = buf[start : start + n] / total if total > 0 else np.zeros(n, np.float32)
         out.append(piece.astype(np.float32).reshape(np.shape(x)).astype(x.dtype))
         start += n
     slots = [int(i) for i in np.flatnonzero(present > 0.5)]
-    return Merged(out, slots, [float(slot_w[i]) for i in slots])
+    return Merged(
+        out,
+        slots,
+        [float(slot_w[i]) for i in slots],
+        [int(rounds[i]) - 1 for i in slots],
+        [int(anchors[i]) - 1 for i in slots],
+    )
 
 
 class WeightedMeanState(NamedTuple):

@@ -115,8 +115,14 @@ class TorchftTransport(Transport):
             raise ExchangeError(f"the all-reduce failed: {self._manager.errored()}")
         return buf
 
+    def abort(self, reason: str) -> None:
+        self._manager.report_error(RuntimeError(reason))
+
     def commit(self) -> bool:
-        return bool(self._manager.should_commit())
+        ok = bool(self._manager.should_commit())
+        if not ok:  # rebuild the process group at the next quorum, even if its id comes back the same
+            self._manager._quorum_id = -1  # (a restarted lighthouse counts quorum ids from 0 again)
+        return ok
 
     def rounds_committed(self) -> int:
         return int(self._manager.current_step())

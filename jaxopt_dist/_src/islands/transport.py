@@ -51,6 +51,10 @@ class Transport(abc.ABC):
         """The SUM of ``buf`` over the quorum's members; raises :class:`ExchangeError` on a failure."""
 
     @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Marks this attempt failed (the next :meth:`commit` returns False), e.g. members disagreed."""
+
+    @abc.abstractmethod
     def commit(self) -> bool:
         """Whether the round's exchange succeeded; True advances the committed-round count."""
 
@@ -220,6 +224,10 @@ class LocalTransport(Transport):
         total = self.hub.allreduce(self.island_id, self._round, buf)
         self._ok = True
         return total
+
+    def abort(self, reason: str) -> None:
+        del reason
+        self._ok = False
 
     def commit(self) -> bool:
         ok, self._ok = self._ok, False
