@@ -23,8 +23,9 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from jaxopt_dist._src import base
+from jaxopt_dist._src import base, comm
 from jaxopt_dist._src.islands import merge
 from jaxopt_dist._src.islands.transport import ExchangeError, IslandsError, Transport
 from jaxopt_dist._src.training import layout
@@ -220,6 +221,7 @@ class Island:
                 break
             redone += 1
             if time.monotonic() - start > self.round_timeout:
+                self.transport.close()  # leave: the others' next quorum goes on without this island
                 raise IslandsError(
                     f"island {self.island_id}: the round did not commit within {self.round_timeout} s "
                     f"({redone} tries)"
@@ -367,7 +369,9 @@ class Island:
         key = (kind, f)
         if key not in self._programs:
             build = _exchange_program if kind == "exchange" else _land_program
-            self._programs[key] = build(self.exchange, f, self._mask(params), self.step.axis_name)
+            self._programs[key] = build(
+                self.exchange, f, self._mask(params), self.step.mesh, self.step.axis_name
+            )
         return self._programs[key]
 
 
@@ -396,31 +400,60 @@ def _check_step(step: Any) -> None:
         raise ValueError("an Island runs in one JAX process.")
 
 
-def _axes(mask: Any) -> Any:
-    return jax.tree.map(lambda m: 0 if m else None, mask)
+def _as_placed(tree: Any, mask: Any, axis_name: base.AxisName) -> Any:
+    """Inside the island's ``shard_map``: each leaf typed as the step places it (per-worker leaves stacked).
+
+    The island's data axis has one worker, so a value typed per-worker where the step keeps it
+    replicated (a compressor's residual, which the step itself never updates) is the same value:
+    its mean over the one worker makes it replicated.
+    """
+
+    def one(x, m):
+        if m:
+            return comm.to_varying(x, axis_name)[None]
+        return comm.pmean(x, axis_name) if comm.is_varying(x, axis_name) else x
+
+    return jax.tree.map(one, tree, mask)
 
 
-def _exchange_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
+def _specs(mask: Any, axis_name: base.AxisName) -> Any:
+    return jax.tree.map(lambda m: layout.data_spec(axis_name) if m else P(), mask)
+
+
+def _on_island(body: Any, mesh: Any, axis_name: base.AxisName, in_specs: Any, out_specs: Any) -> Any:
+    """``body`` per worker, under ``shard_map`` over the island's data axis (its model axes left to the compiler)."""
+    manual = set(base.axis_names(axis_name))
+    extra = {"axis_names": manual} if set(mesh.axis_names) - manual else {}
+    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True, **extra)
+    return jax.jit(fn)
+
+
+def _exchange_program(exchange: Any, f: int, mask: Any, mesh: Any, axis_name: base.AxisName) -> Any:
     """``(outbox_f, aggregate_state_f, anchor) -> (aggregate_f, aggregate_state_f)`` on the island's devices."""
-    agg_axes = _axes(mask.aggregate_states[f])
+    agg_mask = mask.aggregate_states[f]
+    out_mask = [True] * len(mask.outbox[f])
 
-    def one(outbox_f, agg_f, anchor):
+    def body(outbox_f, agg_f, anchor):
         anchor_f = [jax.tree.leaves(anchor)[i] for i in exchange.fragments(anchor)[f]]
-        return exchange.run(f, outbox_f, agg_f, anchor_f)
+        d, new_agg = exchange.run(
+            f, layout.first_rows(outbox_f), layout.first_rows(agg_f, agg_mask), anchor_f
+        )
+        return d, _as_placed(new_agg, agg_mask, axis_name)
 
-    run = jax.vmap(one, in_axes=(0, agg_axes, None), out_axes=(0, agg_axes), axis_name=axis_name)
-    return jax.jit(lambda o, a, anchor: (lambda d, s: ([x[0] for x in d], s))(*run(o, a, anchor)))
+    in_specs = (_specs(out_mask, axis_name), _specs(agg_mask, axis_name), P())
+    return _on_island(body, mesh, axis_name, in_specs, (P(), _specs(agg_mask, axis_name)))
 
 
-def _land_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
+def _land_program(exchange: Any, f: int, mask: Any, mesh: Any, axis_name: base.AxisName) -> Any:
     """``(params, state, aggregate_f) -> (params, state)``: fragment ``f``'s outer step (``sync_delay=0``)."""
-    del axis_name
-    state_axes = _axes(mask)
+    data = layout.data_spec(axis_name)
 
-    def one(params, state, delta):
-        return exchange.land(f, params, state, delta)
+    def body(params, state, delta):
+        p, s = exchange.land(f, layout.first_rows(params), layout.first_rows(state, mask), delta)
+        return layout.add_rows(comm.to_varying(p, axis_name)), _as_placed(s, mask, axis_name)
 
-    return jax.jit(jax.vmap(one, in_axes=(0, state_axes, None), out_axes=(0, state_axes)))
+    specs = (data, _specs(mask, axis_name))
+    return _on_island(body, mesh, axis_name, (*specs, P()), specs)
 
 
 def _fragment_leaves(state: Any, f: int, exchange: Any) -> list[Any]:

@@ -1,0 +1,323 @@
+"""Islands over the in-process hub (threads, no torch): the merge rules, the round logic, faults.
+
+Each island is a thread running its own jitted step on a device of its own;
+:class:`jaxopt_dist.islands.LocalHub` stands in for the lighthouse and the
+wire. The reference is the in-process ``diloco`` on as many workers, with
+:func:`jaxopt_dist.islands.weighted_mean` carrying the same participation.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxopt_dist as jd
+from jaxopt_dist import islands
+from tests import helpers
+
+N, H = 3, 4
+
+
+# ------------------------------------------------------------------ merge rules
+def test_pack_unpack_is_the_weighted_mean():
+    rng = np.random.default_rng(0)
+    shapes = [(3, 2), (5,)]
+    deltas = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(3)]
+    weights, slots = [2.0, 0.0, 5.0], [4, 0, 9]
+    total = sum(
+        islands.pack(d, w, slot=s, num_slots=16, round=7, anchor=123)
+        for d, w, s in zip(deltas, weights, slots)
+    )
+    merged = islands.unpack(total, deltas[0], num_slots=16)
+    for k in range(len(shapes)):
+        want = sum(w * d[k] for w, d in zip(weights, deltas)) / sum(weights)
+        np.testing.assert_allclose(merged.delta[k], want, rtol=1e-6)
+    assert merged.participants == [0, 4, 9]
+    assert merged.weights == [0.0, 2.0, 5.0]
+    assert merged.rounds == [7, 7, 7] and merged.anchors == [123, 123, 123] and merged.agree()
+
+
+def test_unpack_all_weights_zero_gives_zeros_and_disagreement_is_seen():
+    a = islands.pack([np.ones(3, np.float32)], 0.0, slot=0, num_slots=4, round=1, anchor=5)
+    b = islands.pack([np.ones(3, np.float32)], 0.0, slot=1, num_slots=4, round=2, anchor=5)
+    merged = islands.unpack(a + b, [np.ones(3, np.float32)], num_slots=4)
+    np.testing.assert_array_equal(merged.delta[0], np.zeros(3))
+    assert merged.rounds == [1, 2] and not merged.agree()
+
+
+def test_pack_and_unpack_errors():
+    with pytest.raises(ValueError, match="slot 4 is outside"):
+        islands.pack([np.ones(2)], 1.0, slot=4, num_slots=4)
+    with pytest.raises(ValueError, match="different fragments"):
+        islands.unpack(np.zeros(10, np.float32), [np.ones(3)], num_slots=4)
+    with pytest.raises(ValueError, match="`rule` must be one of"):
+        islands.island_weight("median", healed=False, tokens=1.0)
+    assert islands.island_weight("tokens", healed=True, tokens=9.0) == 0.0
+    assert islands.island_weight("tokens", healed=False, tokens=9.0) == 9.0
+
+
+@pytest.mark.parametrize("backend", ["vmap", "shard_map"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_weighted_mean_matches_a_loop_over_workers(backend, n):
+    rng = np.random.default_rng(n)
+    table = rng.integers(0, 3, size=(3, n)).astype(np.float32)
+    table[:, 0] += 1.0  # every round has some weight
+    tx = islands.weighted_mean(table)
+    grads = [{"a": rng.normal(size=(n, 4, 2)).astype(np.float32)} for _ in range(4)]
+    state = tx.init(None)
+    for r, g in enumerate(grads):
+
+        def step(g_i, s):
+            return tx.update(g_i, s)
+
+        out, state = helpers.run_on_workers(step, g, backend=backend, shared=(state,))
+        w = table[min(r, 2)]
+        want = np.einsum("i,i...->...", w, g["a"]) / w.sum()
+        np.testing.assert_allclose(out["a"], want, rtol=1e-5, atol=1e-6)
+    assert int(state.rounds) == 4
+
+
+def test_weighted_mean_of_ones_is_diloco_mean():
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}
+    grads = {"w": jnp.asarray(np.random.default_rng(1).normal(size=(5, N, 2, 3)), jnp.float32)}
+    plain = jd.diloco(optax.sgd(0.1), sync_every=2)
+    merged = jd.diloco(optax.sgd(0.1), sync_every=2, aggregate=islands.weighted_mean())
+    a = helpers.run_steps(plain, grads, params, backend="vmap", per_worker_params=True)
+    b = helpers.run_steps(merged, grads, params, backend="vmap", per_worker_params=True)
+    helpers.assert_trees_equal(a[:2], b[:2])  # every step's updates and the parameters, bit for bit
+    helpers.assert_trees_equal(a[2].anchor, b[2].anchor)
+
+
+# ----------------------------------------------------------------- the islands
+def _loss(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.normal(size=(5, 8)) * 0.3, jnp.float32),
+        "w2": jnp.asarray(rng.normal(size=(8, 2)) * 0.3, jnp.float32),
+    }
+
+
+def _batch(i: int, t: int) -> dict:
+    rng = np.random.default_rng([i, t])
+    return {"x": rng.normal(size=(4, 5)).astype(np.float32), "y": rng.normal(size=(4, 2)).astype(np.float32)}
+
+
+def _reference(make_tx, steps: int, n: int = N) -> list:
+    """The in-process run: the anchor after every step, on ``n`` workers (one device each)."""
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    step = jd.data_parallel_step(_loss, make_tx(), mesh=mesh, per_worker_params=True)
+    p, s = step.init(_params())
+    anchors = []
+    for t in range(steps):
+        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *[_batch(i, t) for i in range(n)])
+        p, s, _ = step(p, s, batch)
+        anchors.append(jax.device_get(s.anchor))
+    return anchors
+
+
+def _island_thread(i, make_tx, transport, steps, out, **options):
+    mesh = jax.make_mesh((1,), ("data",), devices=[jax.devices()[i]])
+    step = jd.data_parallel_step(_loss, make_tx(), mesh=mesh, per_worker_params=True)
+    seen = []
+    isl = islands.island(
+        step,
+        transport,
+        island_id=i,
+        on_sync=lambda rec, p, s: seen.append((rec, jax.device_get(s.anchor))),
+        **options,
+    )
+    out[i] = seen
+    try:
+        p, s = isl.init(_params())
+        t = isl.step_count(s)
+        while t < steps:
+            p, s, _ = isl(p, s, _batch(i, t))
+            t = isl.step_count(s)
+        isl.finish()
+    except islands.IslandKilled:
+        pass
+
+
+def _run_threads(targets) -> None:
+    threads = [threading.Thread(target=f, args=a, kwargs=k) for f, a, k in targets]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+        assert not th.is_alive(), "an island thread hung"
+
+
+def _assert_close_to(anchor, ref, tol=1e-6):
+    for k in ref:
+        scale = float(np.max(np.abs(ref[k])))
+        assert float(np.max(np.abs(anchor[k] - ref[k]))) <= tol * scale, k
+
+
+VARIANTS = {
+    "diloco": dict(),
+    "streaming_delay": dict(num_fragments=2, sync_delay=1),
+    "streaming_mixing": dict(num_fragments=2, mixing=0.5),
+    "quantized": dict(aggregate="statistical_quantize"),
+}
+
+
+def _maker(opts):
+    opts = dict(opts)
+    if opts.get("aggregate") == "statistical_quantize":  # MuLoCo's 2-bit outer gradients, with error feedback
+        opts["aggregate"] = jd.statistical_quantize(2, requantize_mean=False)
+    return lambda: jd.diloco(optax.adam(0.05), sync_every=H, **opts)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_islands_match_in_process_diloco(variant):
+    """Fault-free: every round's anchor is the in-process run's (to float rounding), the same on every island."""
+    make_tx, steps = _maker(VARIANTS[variant]), 3 * H + 1
+    ref = _reference(make_tx, steps)
+    hub, out = islands.LocalHub(min_islands=N, join_timeout=1.0), {}
+    _run_threads([(_island_thread, (i, make_tx, hub.transport(), steps, out), {}) for i in range(N)])
+    for i in range(N):
+        assert len(out[i]) == 3 * len(make_tx().external.launch_phase), i
+        for rec, anchor in out[i]:
+            assert rec.participants == (0, 1, 2) and rec.weights == (1.0, 1.0, 1.0) and not rec.healed
+            _assert_close_to(anchor, ref[rec.step - 1])
+    hashes = {tuple(r.anchor_sha256 for r, _ in out[i]) for i in range(N)}
+    assert len(hashes) == 1  # bit-identical anchors on every island, every round
+
+
+def test_tokens_rule_with_equal_steps_is_the_mean():
+    make_tx, steps = _maker({}), 2 * H + 1
+    ref = _reference(make_tx, steps)
+    hub, out = islands.LocalHub(min_islands=N, join_timeout=1.0), {}
+    tokens = dict(rule="tokens", tokens_per_step=16)
+    _run_threads([(_island_thread, (i, make_tx, hub.transport(), steps, out), tokens) for i in range(N)])
+    for rec, anchor in out[0]:
+        assert rec.weights == (64.0, 64.0, 64.0)  # H steps of 16 tokens since the last sync
+        _assert_close_to(anchor, ref[rec.step - 1])
+
+
+class _DyingTransport(islands.LocalTransport):
+    """Dies (for the hub: its rounds fail) as it enters the all-reduce of round ``die_at``."""
+
+    def __init__(self, hub, die_at):
+        super().__init__(hub)
+        self.die_at = die_at
+
+    def allreduce(self, buf):
+        if self.committed == self.die_at:
+            self.hub.kill(self.island_id)
+        return super().allreduce(buf)
+
+
+def test_a_death_in_the_exchange_is_redone_and_a_restart_heals_with_weight_zero():
+    """Island 2 dies inside round 3's all-reduce; the survivors commit round 3 among themselves; island 2
+    restarts, heals from a peer with weight 0, then takes part. The in-process run with the same
+    weights (weighted_mean) is the reference for every round (plain SGD inside: healing is exact)."""
+    make_tx = lambda: jd.diloco(  # noqa: E731
+        optax.sgd(0.1), sync_every=H, outer=optax.sgd(0.7, momentum=0.9), aggregate=islands.weighted_mean()
+    )
+    steps = 10 * H
+    hub, out = islands.LocalHub(min_islands=2, join_timeout=1.0), {}
+    first, rejoin = {}, {}
+
+    def survivors_then_restart():
+        import time
+
+        while not any(r.round >= 5 for r, _ in out.get(0, [])):
+            time.sleep(0.01)
+        _island_thread(2, make_tx, hub.transport(), steps, rejoin)
+
+    _run_threads(
+        [(_island_thread, (i, make_tx, hub.transport(), steps, out), {}) for i in (0, 1)]
+        + [(_island_thread, (2, make_tx, _DyingTransport(hub, die_at=3), steps, first), {})]
+        + [(survivors_then_restart, (), {})]
+    )
+    by_round = {r.round: (r, a) for r, a in out[0]}
+    assert [r.round for r, _ in first[2]] == [1, 2]  # it died inside round 3
+    r3 = by_round[3][0]
+    assert r3.participants == (0, 1) and r3.redone >= 1  # the survivors kept round 3
+    healed = [(r, a) for r, a in rejoin[2] if r.healed]
+    assert len(healed) == 1
+    h = healed[0][0]
+    assert h.weights[h.participants.index(2)] == 0.0
+    assert h.anchor_sha256 == by_round[h.round][0].anchor_sha256  # bit-identical from its first round
+    later = [r for r, _ in rejoin[2] if r.round == h.round + 1][0]
+    assert later.weights == (1.0, 1.0, 1.0) and later.anchor_sha256 == by_round[h.round + 1][0].anchor_sha256
+    for r, _ in out[1]:
+        assert r.anchor_sha256 == by_round[r.round][0].anchor_sha256
+    # The reference: weighted_mean with the rounds' weights (round k of the islands is sync k - 1).
+    table = np.ones((steps // H, N), np.float32)
+    for r, _ in out[0]:
+        table[r.round - 1] = [
+            r.weights[r.participants.index(j)] if j in r.participants else 0.0 for j in range(N)
+        ]
+    ref = _reference(
+        lambda: jd.diloco(
+            optax.sgd(0.1),
+            sync_every=H,
+            outer=optax.sgd(0.7, momentum=0.9),
+            aggregate=islands.weighted_mean(table),
+        ),
+        steps,
+    )
+    for r, anchor in out[0]:
+        _assert_close_to(anchor, ref[r.step - 1])
+
+
+# ------------------------------------------------------------------------ errors
+def _step(tx, n=1, per_worker=True):
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    return jd.data_parallel_step(_loss, tx, mesh=mesh, per_worker_params=per_worker)
+
+
+def test_island_rejects_what_it_cannot_run():
+    hub = islands.LocalHub()
+    with pytest.raises(ValueError, match="whose `tx` is a jaxopt_dist.diloco"):
+        islands.island(
+            _step(optax.chain(jd.all_reduce(), optax.sgd(0.1)), per_worker=False),
+            hub.transport(),
+            island_id=0,
+        )
+    with pytest.raises(ValueError, match="eager=True"):
+        islands.island(
+            _step(jd.diloco(optax.sgd(0.1), sync_every=2, eager=True)), hub.transport(), island_id=0
+        )
+    with pytest.raises(ValueError, match="must have size 1"):
+        islands.island(_step(jd.diloco(optax.sgd(0.1), sync_every=2), n=2), hub.transport(), island_id=0)
+    with pytest.raises(ValueError, match="per_worker_params=True"):
+        islands.island(
+            _step(jd.diloco(optax.sgd(0.1), sync_every=2), per_worker=False), hub.transport(), island_id=0
+        )
+    tx = jd.diloco(optax.sgd(0.1), sync_every=2)
+    with pytest.raises(ValueError, match="`island_id` must be in"):
+        islands.island(_step(tx), hub.transport(), island_id=64)
+    with pytest.raises(ValueError, match="`rule` must be one of"):
+        islands.island(_step(tx), hub.transport(), island_id=0, rule="rda")
+
+
+def test_islands_with_different_models_fail_clearly():
+    """A quorum of islands whose first anchors differ never commits: each gives up within its bounds."""
+    hub, errors = islands.LocalHub(min_islands=2, join_timeout=1.0, timeout=3.0), []
+
+    def run(i):
+        mesh = jax.make_mesh((1,), ("data",), devices=[jax.devices()[i]])
+        step = jd.data_parallel_step(
+            _loss, jd.diloco(optax.sgd(0.1), sync_every=H), mesh=mesh, per_worker_params=True
+        )
+        isl = islands.island(step, hub.transport(), island_id=i, round_timeout=1.0)
+        params = jax.tree.map(lambda x: x + i, _params())  # islands that do not share an initialization
+        try:
+            isl.init(params)
+        except islands.IslandsError as e:
+            errors.append(str(e))
+
+    _run_threads([(run, (i,), {}) for i in range(2)])
+    assert len(errors) == 2 and any("did not commit within 1.0 s" in e for e in errors)
