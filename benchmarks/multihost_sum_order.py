@@ -7,6 +7,7 @@ gloo runs agree bit for bit however the 4 devices are spread over processes.
 Run: ``python benchmarks/multihost_sum_order.py`` (launches the configurations and compares).
 """
 
+import argparse
 import itertools
 import os
 import socket
@@ -50,8 +51,12 @@ def port():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        child(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # A launched child gets: number of processes, process id, port, mode, output file.
+    ap.add_argument("child", nargs="*", help=argparse.SUPPRESS)
+    child_args = ap.parse_args().child
+    if child_args:
+        child(int(child_args[0]), int(child_args[1]), *child_args[2:5])
         sys.exit(0)
     run = lambda *a: subprocess.Popen([sys.executable, __file__, *map(str, a)], stderr=subprocess.DEVNULL)
     tmp = tempfile.mkdtemp()

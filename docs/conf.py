@@ -39,9 +39,13 @@ extensions = [
     "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax served from the site itself (the PyPI package bundles MathJax 3 and copies it into
+    # _static/mathjax), so formulas render offline: on a cluster's login node, from a saved copy.
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
     "sphinx_copybutton",
 ]
+mathjax_path = "mathjax/tex-chtml.js"  # relative to _static: the bundled copy, never a CDN
 
 root_doc = "index"
 templates_path = ["_templates"]

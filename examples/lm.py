@@ -18,7 +18,9 @@ file's path), so the validation text is unseen. Training draws random
 windows of ``context + 1`` bytes; the validation loss is reported in bits
 per byte (the cross-entropy divided by ln 2).
 
-Run ``python examples/lm.py`` (dense AdamW, a few minutes on a CPU), or e.g.
+Run ``python examples/lm.py --quick`` (a tiny model, dense AdamW and DiLoCo,
+under a minute on a CPU), ``python examples/lm.py`` (dense AdamW, a few
+minutes on a CPU), or e.g.
 ``python examples/lm.py --tx diloco --sync-every 50`` or
 ``python examples/lm.py --tx dense,diloco,streaming_diloco --steps 600``.
 On a machine with a single accelerator, ``--one-device`` runs the replicas
@@ -807,9 +809,27 @@ def summary(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+QUICK = {
+    "tx": "dense,diloco",
+    "steps": 30,
+    "dim": 32,
+    "depth": 1,
+    "heads": 2,
+    "context": 32,
+    "batch": 16,
+    "eval_every": 15,
+    "eval_windows": 16,
+    "sync_every": 10,
+    "warmup": 5,
+    "lr": 1e-2,
+}
+"""The settings of ``--quick`` (a run of well under a minute on a CPU); flags given override them."""
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    choices = "; ".join(f"{name}: {m.help}" for name, m in TXS.items())
+    # argparse formats help strings with %: a literal one is written %%.
+    choices = "; ".join(f"{name}: {m.help}" for name, m in TXS.items()).replace("%", "%%")
     ap.add_argument("--tx", default="dense", help=f"one or more, comma-separated. {choices}")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32, help="windows per step over all devices (multiple of 8)")
@@ -843,6 +863,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="lm_out", help="folder for results.json and the plot")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small model and a short run (dense and diloco, 30 steps; under a minute on a CPU); "
+        "other flags given override its settings",
+    )
     return ap
 
 
@@ -865,9 +891,17 @@ def config(settings: Any) -> GPTConfig:
     )
 
 
+def parse_args(argv: list[str] | None, ap: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The command line's settings; with ``--quick``, :data:`QUICK` where no flag is given."""
+    ap = ap or parser()
+    if ap.parse_known_args(argv)[0].quick:
+        ap.set_defaults(**QUICK)
+    return ap.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
-    args = ap.parse_args(argv)
+    args = parse_args(argv, ap)
     names = [n.strip() for n in args.tx.split(",") if n.strip()]
     unknown = [n for n in names if n not in TXS]
     if unknown or not names:

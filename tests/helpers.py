@@ -272,7 +272,7 @@ def _run_steps_shard_map(tx, grads_seq, params, T, n, axis_name, per_worker_para
     if placement.updates_per_worker and not per_worker_params:
         raise AssertionError("the transform's updates are typed per-worker; expected replicated updates")
     state = jd.init_opt_state(tx, params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params)
-    p = jd.place_params(params, mesh=mesh, axis_name=axis_name, per_worker=per_worker_params)
+    p = jd.place_params(params, mesh=mesh, axis_name=axis_name, per_worker_params=per_worker_params)
     spec = P(axis_name)
     s_spec = jax.tree.map(lambda m: spec if m else P(), mask)
     p_spec = jax.tree.map(lambda _: spec if per_worker_params else P(), params)

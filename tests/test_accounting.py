@@ -135,7 +135,7 @@ def _compiled_hlo(tx, per_worker):
     placement = jd.opt_state_placement(tx, PARAMS, mesh=mesh, per_worker_params=per_worker)
     mask = placement.per_worker
     state = jd.init_opt_state(tx, PARAMS, mesh=mesh, per_worker_params=per_worker)
-    params = jd.place_params(PARAMS, mesh=mesh, per_worker=per_worker)
+    params = jd.place_params(PARAMS, mesh=mesh, per_worker_params=per_worker)
     grads = jax.device_put(
         jax.tree.map(lambda x: jnp.ones((N, *x.shape), x.dtype), PARAMS),
         jax.sharding.NamedSharding(mesh, P("data")),

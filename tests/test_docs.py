@@ -4,7 +4,8 @@
   Flax front ends' ``__all__`` exactly once: read from the sources, no build needed.
 * A Sphinx build with warnings as errors (notebooks not executed), where Sphinx is installed.
 * A headless Chromium opens pages of the built site, served over HTTP, and finds no failed
-  request, no HTTP error and no JavaScript error. The site is ``docs/_build/html`` (the README's
+  request, no HTTP error, no JavaScript error and no raw TeX (``\\(`` or ``\\[`` as text: MathJax,
+  served by the site itself, typesets every formula without a network). The site is ``docs/_build/html`` (the README's
   build command) or ``$JAXOPT_DIST_DOCS_HTML``; the test is skipped without Chromium or a site
   (and fails instead with ``JAXOPT_DIST_DOCS_STRICT=1``, as in CI).
 """
@@ -278,6 +279,37 @@ def _problems(events: list[dict], base: str) -> list[str]:
     return problems
 
 
+# The page's text outside code, with the number of typeset formulas: raw TeX delimiters left in it
+# mean MathJax did not run (e.g. loaded from a CDN, offline).
+_MATH_STATE = r"""(() => {
+  const body = document.body.cloneNode(true);
+  body.querySelectorAll("pre, code, script, style, mjx-assistive-mml").forEach((e) => e.remove());
+  const raw = body.textContent.match(/\\\(|\\\[/g) || [];
+  return {raw: raw.length, typeset: document.querySelectorAll("mjx-container").length};
+})()"""
+# Pages whose formulas must show typeset (the rest must merely show no raw TeX).
+MATH_PAGES = ("api/generated/jaxopt_dist.diloco.html",)
+
+
+def _raw_math(browser, page: str, wait: float = 15.0) -> list[str]:
+    """Waits up to ``wait`` seconds for MathJax to typeset ``page``; the problems left."""
+    deadline = time.monotonic() + wait
+    while True:
+        state = browser.call("Runtime.evaluate", session=True, expression=_MATH_STATE, returnByValue=True)[
+            "result"
+        ]["value"]
+        done = state["raw"] == 0 and (state["typeset"] > 0 or page not in MATH_PAGES)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    problems = []
+    if state["raw"]:
+        problems.append(f"raw TeX: {state['raw']} \\( or \\[ delimiters shown as text (MathJax did not run)")
+    if page in MATH_PAGES and not state["typeset"]:
+        problems.append("no formula typeset (no mjx-container)")
+    return problems
+
+
 def test_pages_load_without_errors_in_chromium(site, tmp_path):
     base, server_errors = site
     browser = _DevTools(_chromium(), tmp_path / "profile")
@@ -294,7 +326,7 @@ def test_pages_load_without_errors_in_chromium(site, tmp_path):
             assert len(seen) > 5, f"{page}: only {sorted(seen)} loaded (no stylesheets or scripts?)"
             title = browser.call("Runtime.evaluate", session=True, expression="document.title")
             assert "jaxopt_dist" in title["result"]["value"], title
-            report[page] = _problems(events, base)
+            report[page] = _problems(events, base) + _raw_math(browser, page)
     finally:
         browser.close()
     report["server"] = server_errors  # requests the server answered with an error

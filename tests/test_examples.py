@@ -127,3 +127,26 @@ def test_demo_rejects_bad_checkpoint_interval(tmp_path):
     demo = helpers.load_example("demo")
     with pytest.raises(SystemExit):
         demo.main(["--checkpoint-every", "0", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("tx,workers", [("top_k", 8), ("diloco", 4)])
+def test_own_shard_map_equals_data_parallel_step(tx, workers, capsys):
+    own = helpers.load_example("own_shard_map")
+    assert own.main(["--tx", tx, "--workers", str(workers), "--steps", "4"]) == 0
+    assert "bit-identical to data_parallel_step: True" in capsys.readouterr().out
+
+
+def test_place_params_old_keyword_still_works():
+
+    import jax.numpy as jnp
+
+    import jaxopt_dist as jd
+
+    mesh = helpers.make_mesh(2)
+    new = jd.place_params({"w": jnp.ones(3)}, mesh=mesh, per_worker_params=True)
+    with pytest.warns(DeprecationWarning, match="`per_worker` is deprecated.*`per_worker_params`"):
+        old = jd.place_params({"w": jnp.ones(3)}, mesh=mesh, per_worker=True)
+    assert old["w"].shape == new["w"].shape == (2, 3)
+    assert old["w"].sharding == new["w"].sharding
+    with pytest.raises(TypeError, match="Pass `per_worker_params` only"):
+        jd.place_params({"w": jnp.ones(3)}, mesh=mesh, per_worker_params=True, per_worker=True)

@@ -194,7 +194,7 @@ def test_place_opt_state_round_trip_with_param_specs():
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(placed)):
         assert a.sharding.spec == b.sharding.spec
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    params = jd.place_params(_params(), mesh=mesh, param_specs=FSDP, per_worker=True)
+    params = jd.place_params(_params(), mesh=mesh, param_specs=FSDP, per_worker_params=True)
     assert params["w2"].sharding.spec == P("data", "fsdp", None) and params["w2"].shape == (2, HIDDEN, D_OUT)
 
 

@@ -3,8 +3,9 @@
 Everything else in the package uses the public API that all of them share. The
 differences that matter here:
 
-* Mesh axes default to ``AxisType.Explicit`` from JAX 0.11 (``jax.make_mesh`` and
-  ``AbstractMesh``); before, they were ``Auto``. Under Explicit axes, ``shard_map``
+* Mesh axes default to ``AxisType.Explicit``: ``jax.make_mesh``'s in every
+  supported release (0.10 included), ``AbstractMesh``'s from JAX 0.11 (``Auto``
+  in 0.10). Under Explicit axes, ``shard_map``
   checks each input's sharding against its ``in_spec``, so abstract inputs must
   carry a sharding (``jax.ShapeDtypeStruct(..., sharding=...)``, which every
   supported release accepts), and compiled HLO names replica groups

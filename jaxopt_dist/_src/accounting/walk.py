@@ -37,6 +37,7 @@ import optax
 from jaxopt_dist._src import base, comm, compat
 from jaxopt_dist._src.accounting import costs, sharded, trace
 from jaxopt_dist._src.accounting.costs import Collective, CommunicationCost, StepCost
+from jaxopt_dist._src.training import layout
 
 _SMALL = 16  # non-float state leaves (and values) of at most this many elements are simulated
 _AUTO_STEPS = 256  # steps simulated by steps=None when the cost depends on the step
@@ -454,6 +455,15 @@ def communication_cost(
     by step; data-dependent branches are charged their most expensive branch
     (``exact=False``).
 
+    What a training step sends besides ``tx``: :func:`jaxopt_dist.data_parallel_step`
+    and the Flax front ends (:func:`jaxopt_dist.nnx.data_parallel`,
+    :func:`jaxopt_dist.linen.data_parallel`) add one ``pmean`` per
+    floating-point metric they return (4 bytes for a float32 loss). With
+    ``per_worker_params=True`` the NNX model holds DiLoCo's anchor by default,
+    which costs nothing; ``model_params="average"`` adds one all-reduce of the
+    parameters per step, which this count does not include. SyncBN and
+    ``batch_stats="per_worker"`` add their statistics' all-reduces.
+
     Sharded models (``param_specs``). The update is traced as
     :func:`jaxopt_dist.data_parallel_step` runs it on a mesh with model axes:
     ``jax.shard_map(..., axis_names=<data axes>)``, the parameters and the
@@ -483,7 +493,10 @@ def communication_cost(
     Args:
       tx: any optax transformation (a chain, MultiSteps...).
       params: one copy of the parameters (arrays or ShapeDtypeStructs). If they
-        are arrays, ``tx.init`` sees their values; otherwise zeros.
+        are arrays, ``tx.init`` sees their values; otherwise zeros. Parameters
+        placed stacked per worker (split over ``axis_name`` along their leading
+        axis, as ``data_parallel_step(..., per_worker_params=True).init``
+        returns them) are rejected: they would be counted once per worker.
       num_workers: number of workers, or a mapping ``{axis: size}`` for a
         tuple ``axis_name`` or for chains that use several mesh axes.
         Required.
@@ -518,7 +531,7 @@ def communication_cost(
         ``axis_size``); ``mesh`` is not a ``jax.sharding.Mesh``.
       ValueError: ``param_specs`` names an axis ``num_workers`` gives no
         size for, or a data axis; ``mesh`` without ``param_specs``, or
-        with other axes than ``num_workers``.
+        with other axes than ``num_workers``; ``params`` stacked per worker.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxopt_dist as jd
@@ -546,6 +559,15 @@ def communication_cost(
             f"`tx` must be an optax.GradientTransformation (or have init/update); got {type(tx).__name__}."
         )
     sizes = trace.mesh_sizes(num_workers, axis_name)
+    stacked = layout.stacked_leaves(params, axis_name)
+    if stacked:
+        raise ValueError(
+            f"`params` are stacked per worker (leaf {stacked[0]} is split over {axis_name!r} along "
+            "its leading axis, as data_parallel_step's init returns per-worker parameters): "
+            "communication_cost takes one copy of the parameters, and would count every worker's "
+            "row as parameters. Pass one copy: the parameters given to init, or "
+            "jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), params)."
+        )
     if steps is not None:
         steps = base.check_positive_int(steps, "steps")
     start = base.check_positive_int(start, "start", minimum=0)

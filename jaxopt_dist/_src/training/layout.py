@@ -239,30 +239,83 @@ def reshard_fix(what: str, n: int) -> str:
     return f"opt_state = jaxopt_dist.reshard_opt_state(opt_state, tx, params, num_workers={n})."
 
 
-def check_layout(tree: Any, expected: Any, *, what: str, n: int, axis_name: base.AxisName) -> None:
+def check_layout(
+    tree: Any, expected: Any, *, what: str, n: int, axis_name: base.AxisName, fix: str | None = None
+) -> None:
     """Raises unless ``tree``'s leaves have the shapes of ``expected`` (a layout on ``n`` workers).
 
     A per-worker leaf stacked for another number of workers would otherwise be
     resharded silently (rows dropped or split), losing per-worker state.
+    ``fix``: what to write to regroup it (default: :func:`reshard_fix`).
     """
     got, got_def = jax.tree_util.tree_flatten_with_path(tree)
     want, want_def = jax.tree.flatten(expected)
     if got_def != want_def:
         return  # a structural mismatch fails loudly in device_put
     for (path, x), w in zip(got, want):
-        shape = tuple(np.shape(x))
-        if shape == tuple(w.shape):
-            continue
         where = f"`{what}` leaf {jax.tree_util.keystr(path) or '(root)'}"
-        per_worker = getattr(w.sharding, "spec", P()) != P()
-        if per_worker and len(shape) == len(w.shape) and shape[1:] == tuple(w.shape[1:]):
-            raise ValueError(
-                f"{where} holds per-worker values for {shape[0]} workers (leading dimension "
-                f"{shape[0]}), but the mesh has {n} workers on axis {axis_name!r}. Passing it on "
-                f"would drop or split workers' rows silently. Regroup it first: {reshard_fix(what, n)}"
-            )
+        _check_leaf(tuple(np.shape(x)), w, where, n=n, axis_name=axis_name, fix=fix or reshard_fix(what, n))
+
+
+def _check_leaf(
+    shape: tuple[int, ...], w: Any, where: str, *, n: int, axis_name: base.AxisName, fix: str
+) -> None:
+    if shape == tuple(w.shape):
+        return
+    spec = getattr(getattr(w, "sharding", None), "spec", P())
+    per_worker = bool(set(spec_axes(spec)) & set(base.axis_names(axis_name)))
+    if per_worker and len(shape) == len(w.shape) and shape[1:] == tuple(w.shape[1:]):
         raise ValueError(
-            f"{where} has shape {shape}; the layout for {n} workers on axis {axis_name!r} "
-            f"needs {tuple(w.shape)} (per-worker leaves stacked along a leading axis of size "
-            f"{n}, replicated leaves as one copy). Build it with step.init / init_opt_state."
+            f"{where} holds per-worker values for {shape[0]} workers (leading dimension "
+            f"{shape[0]}), but the mesh has {n} workers on axis {axis_name!r}. Passing it on "
+            f"would drop or split workers' rows silently. Regroup it first: {fix}"
         )
+    raise ValueError(
+        f"{where} has shape {shape}; the layout for {n} workers on axis {axis_name!r} "
+        f"needs {tuple(w.shape)} (per-worker leaves stacked along a leading axis of size "
+        f"{n}, replicated leaves as one copy). Build it with step.init / init_opt_state."
+    )
+
+
+def stacked_leaves(tree: Any, axis_name: base.AxisName) -> list[str]:
+    """The paths of ``tree``'s leaves that are placed stacked over the data axes (an array or
+    ``ShapeDtypeStruct`` whose sharding splits its leading dimension over ``axis_name``), as a
+    step's per-worker leaves are."""
+    names = set(base.axis_names(axis_name))
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        spec = getattr(getattr(x, "sharding", None), "spec", None)
+        if isinstance(spec, P) and set(spec_axes(spec)) & names:
+            out.append(jax.tree_util.keystr(path) or "(root)")
+    return out
+
+
+def path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A ``jax.tree_util`` key path as strings, the same for a NamedTuple field, a dict key and
+    a sequence index of that name (as a checkpoint library's metadata spells them)."""
+    out = []
+    for k in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                k = getattr(k, attr)
+                break
+        out.append(str(k))
+    return tuple(out)
+
+
+def check_saved(saved: Any, target: Any, *, n: int, axis_name: base.AxisName, fix: str) -> None:
+    """Raises unless the shapes a checkpoint holds (``saved``: its metadata, any tree whose
+    leaves have a ``shape``, e.g. orbax's ``mngr.item_metadata(step)``) are those of ``target``
+    (the restore target for ``n`` workers), leaf by leaf, found by path. Leaves of one and not
+    the other are left for the checkpoint library to report."""
+    saved = getattr(saved, "tree", saved)
+    shapes = {
+        path_names(p): tuple(x.shape)
+        for p, x in jax.tree_util.tree_flatten_with_path(saved)[0]
+        if getattr(x, "shape", None) is not None
+    }
+    for path, w in jax.tree_util.tree_flatten_with_path(target)[0]:
+        shape = shapes.get(path_names(path))
+        if shape is not None:
+            where = f"The checkpoint's leaf {jax.tree_util.keystr(path) or '(root)'}"
+            _check_leaf(shape, w, where, n=n, axis_name=axis_name, fix=fix)

@@ -41,6 +41,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 from flax.core import meta
@@ -49,6 +50,7 @@ from flax.training import train_state
 
 from jaxopt_dist._src import base, comm
 from jaxopt_dist._src.training import layout, model_axes, replicas, runner
+from jaxopt_dist._src.training.elastic import reshard_opt_state, reshard_params
 
 P = jax.sharding.PartitionSpec
 
@@ -231,20 +233,52 @@ class DataParallelTrainState(runner.RunsSteps):
         )
         return jax.jit(fn, **kw), shardings, mask, model
 
-    def _local_params(self, params: Any) -> Any:
-        """One worker's copy of ``params``, abstract (boxes kept). Per-worker parameters come
-        stacked from the step; the first call with their structure gives one copy."""
+    def _local_params(self, state: TrainState) -> Any:
+        """One worker's copy of ``state.params``, abstract (boxes kept). With ``per_worker_params``
+        the parameters come either as one copy (``TrainState.create``) or stacked per worker
+        (the step's output, a restored checkpoint): the optimizer state tells which."""
         if not self.per_worker_params:
-            return base.abstract(params)
-        return self._runner.cached(
-            ("local params", jax.tree.structure(params)), lambda: base.abstract(params)
+            return base.abstract(state.params)
+        key = ("local params", runner.shape_key((state.params, state.opt_state)))
+        return self._runner.cached(key, lambda: self._find_local_params(state))
+
+    def _find_local_params(self, state: TrainState) -> Any:
+        n, one = self.num_workers, base.abstract(state.params)
+        got = [tuple(np.shape(x)) for x in jax.tree.leaves(state.opt_state)]
+        leaves = jax.tree.leaves(one)
+        as_one = [tuple(x.shape) for x in jax.tree.leaves(jax.eval_shape(state.tx.init, one))]
+        rows = None
+        if leaves and all(x.shape[:1] == (n,) for x in leaves):
+            rows = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), one)
+        as_rows = None
+        if rows is not None:
+            placed = runner.opt_placement(
+                state.tx, rows, mesh=self.mesh, axis_name=self.axis_name, per_worker_params=True
+            )
+            local = jax.eval_shape(state.tx.init, rows)
+            as_rows = [
+                (n, *x.shape) if m else tuple(x.shape)
+                for x, m in zip(jax.tree.leaves(local), jax.tree.leaves(placed.per_worker))
+            ]
+        if got == as_one and got != as_rows:
+            return one
+        if got == as_rows and got != as_one:
+            return rows
+        if got == as_one:  # both fit (no state shaped like the parameters): the step count decides
+            return one if int(jax.device_get(state.step)) == 0 else rows
+        raise ValueError(
+            "With per_worker_params=True, state.params must be one copy of the parameters (as "
+            "TrainState.create makes it) or stacked for the mesh's "
+            f"{n} workers along a leading axis (as the step returns it), with state.opt_state laid "
+            "out to match; these fit neither. A state saved by another number of workers is "
+            f"regrouped with step.regroup_state(raw, fresh_state) ({n} workers)."
         )
 
     def _checked_build(self, state: TrainState, batch: Any) -> Any:
         """The jitted step, its shardings, the per-worker mask, the model-axis specs and one
         worker's parameters and optimizer state (abstract), built once per layout."""
         self._runner.check_batch(batch)
-        local = state.replace(params=self._local_params(state.params))
+        local = state.replace(params=self._local_params(state))
         local = local.replace(opt_state=jax.eval_shape(state.tx.init, local.params))
         return (*self._build(local, batch, local.opt_state), local)
 
@@ -270,20 +304,125 @@ class DataParallelTrainState(runner.RunsSteps):
             raise TypeError(
                 f"The first argument must be a jaxopt_dist.linen.TrainState; got {type(state).__name__}."
             )
-        rules = (
-            nn.logical_axis_rules(self.logical_axis_rules) if self.logical_axis_rules is not None else None
-        )
-        # The step's (Auto) mesh in context, also where the caller set an Explicit one; the
-        # logical axis rules given (if any) for the parameters' constraints inside the step.
-        with jax.set_mesh(self.mesh), rules or contextlib.nullcontext():
-            jitted, shardings, mask, model, local = self._runner.cached(
-                runner.shape_key((state, batch)), lambda: self._checked_build(state, batch)
-            )
-            placed = self._stack(state, mask, model, local)
+        with self._context():
+            jitted, shardings, placed = self._prepare(state, batch)
             out = self._runner.dispatch(jitted, (placed, batch), shardings, batch=1)
         self._returned = {id(x): x for x in jax.tree.leaves(out[0].batch_stats)}
         self._runner.throttle(out)
         return out if out[1] is not None else out[0]
+
+    def _context(self) -> Any:
+        """The step's (Auto) mesh in context, also where the caller set an Explicit one; the
+        logical axis rules given (if any) for the parameters' constraints inside the step."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        if self.logical_axis_rules is not None:
+            stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
+        return stack
+
+    def _prepare(self, state: TrainState, batch: tuple[Any, ...]) -> tuple[Any, Any, TrainState]:
+        """The compiled step for these shapes, its shardings and the state with its per-worker
+        leaves stacked."""
+        jitted, shardings, mask, model, local = self._runner.cached(
+            runner.shape_key((state, batch)), lambda: self._checked_build(state, batch)
+        )
+        return jitted, shardings, self._stack(state, mask, model, local)
+
+    # -- checkpoints --------------------------------------------------------
+
+    def _local(self, state: TrainState) -> TrainState:
+        """``state`` (one copy, as ``TrainState.create`` returns it) as abstract leaves."""
+        if self.per_worker_params and self._local_params(state) is not None:
+            one = base.abstract(state.params)
+            if jax.tree.leaves(self._local_params(state)) != jax.tree.leaves(one):
+                raise ValueError(
+                    "Pass a fresh state (one copy of the parameters, as TrainState.create makes "
+                    "it); this one is stacked per worker already."
+                )
+        local = state.replace(params=base.abstract(state.params))
+        return base.abstract(local.replace(opt_state=jax.eval_shape(state.tx.init, local.params)))
+
+    def abstract_state(self, state: TrainState, *, saved: Any = None) -> TrainState:
+        """The layout the step gives ``state`` on this mesh, as ``jax.ShapeDtypeStruct`` leaves
+        with shardings, nothing allocated: the restore target of a checkpointed state, e.g.
+        ``ocp.args.StandardRestore(step.abstract_state(fresh_state))``.
+
+        ``state`` holds one copy of everything, as ``TrainState.create``
+        returns it. Per-worker leaves (``per_worker_params``' parameters,
+        residuals, ``"per_worker"`` statistics) come stacked along a leading
+        worker axis, placed over the data axes. ``saved``: the checkpoint's
+        metadata (orbax: ``mngr.item_metadata(step)``); each leaf's saved
+        shape is checked against the target first, so a checkpoint written by
+        another number of workers gets an error that names the fix
+        (:meth:`regroup_state`) rather than a restore that drops or splits
+        workers' rows.
+        """
+        with self._context():
+            local = self._local(state)
+            mask, model = self._placement(local), self._model_specs(local, local.opt_state)
+            target = layout.placed_abstract(local, layout.mask_specs(mask, self.axis_name), self.mesh, model)
+        if saved is not None:
+            fix = f"state = step.regroup_state(raw, fresh_state) for {self.num_workers} workers."
+            layout.check_saved(saved, target, n=self.num_workers, axis_name=self.axis_name, fix=fix)
+        return target
+
+    def regroup_state(self, raw: Any, state: TrainState) -> TrainState:
+        """A checkpointed state of any number of workers, regrouped for this step's (host-side).
+
+        ``raw`` is the state as restored without a target (host arrays in nested
+        dicts, e.g. from zeros like ``mngr.item_metadata(step)``); ``state`` a
+        fresh one (one copy, as ``TrainState.create`` returns it) that gives
+        the structure. The optimizer state is regrouped with
+        :func:`jaxopt_dist.reshard_opt_state`, per-worker parameters and
+        statistics with :func:`jaxopt_dist.reshard_params` (their mean over
+        workers is kept); the rest is copied. The step places the result.
+        """
+        local, n = self._local(state), self.num_workers
+        flat = {layout.path_names(p): x for p, x in jax.tree_util.tree_flatten_with_path(raw)[0]}
+
+        def part(name: str) -> Any:
+            tree = getattr(local, name)
+            leaves = []
+            for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                key = (name, *layout.path_names(p))
+                if key not in flat:
+                    raise ValueError(
+                        f"The checkpoint holds no leaf {'/'.join(key)}; pass the state it was saved from."
+                    )
+                leaves.append(flat[key])
+            return jax.tree.unflatten(jax.tree.structure(tree), leaves)
+
+        params = part("params")
+        opt_state = reshard_opt_state(
+            part("opt_state"),
+            state.tx,
+            local.params,
+            num_workers=n,
+            axis_name=self.axis_name,
+            per_worker_params=self.per_worker_params,
+        )
+        stats = part("batch_stats")
+        if self.per_worker_params:
+            params = reshard_params(params, num_workers=n)
+        if self.batch_stats == "per_worker" and stats is not None:
+            stats = reshard_params(stats, num_workers=n)
+        return state.replace(
+            step=part("step"), params=params, opt_state=opt_state, batch_stats=stats, key=part("key")
+        )
+
+    def lower(self, state: TrainState, *batch: Any) -> jax.stages.Lowered:
+        """The program ``step(state, *batch)`` runs, lowered and not run.
+
+        ``step.lower(state, batch).compile().as_text()`` is the compiled HLO,
+        e.g. for :func:`jaxopt_dist.hlo_collectives` to list what the step sends.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"The first argument must be a jaxopt_dist.linen.TrainState; got {type(state).__name__}."
+            )
+        with self._context():
+            jitted, shardings, placed = self._prepare(state, batch)
+            return self._runner.lower(jitted, (placed, batch), shardings)
 
 
 def data_parallel(

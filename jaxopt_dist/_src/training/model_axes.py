@@ -107,12 +107,12 @@ def _check_one(sp: Any, shape: tuple[int, ...], where: str, mesh: Any, data: set
         )
     if len(sp) > len(shape):
         raise ValueError(f"`param_specs` at {where} is {sp}, longer than the parameter's shape {shape}.")
-    for dim, entry in zip(shape, sp):
+    for axis, (dim, entry) in enumerate(zip(shape, sp)):
         size = int(np.prod([mesh.shape[a] for a in spec_names(P(entry))])) if entry is not None else 1
         if dim % size:
             raise ValueError(
-                f"`param_specs` at {where} is {sp}: dimension {dim} of shape {shape} does not divide "
-                f"evenly over {entry!r} ({size} devices)."
+                f"`param_specs` at {where} is {sp}: axis {axis} of shape {shape}, of size {dim}, "
+                f"does not divide evenly over {entry!r} ({size} devices)."
             )
 
 

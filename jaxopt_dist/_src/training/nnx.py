@@ -10,8 +10,10 @@ kind of NNX state is given one consistent meaning:
   ``powersgd``, ...), and :meth:`Optimizer.update` applies the replicated update
   to the replicated parameters. With ``per_worker_params=True`` (``diloco``,
   ``average_params``, gossip) each worker keeps its own copy: the step keeps
-  the copies stacked (:meth:`DataParallel.worker_copies`) and the model holds
-  their average.
+  the copies stacked (:meth:`DataParallel.worker_copies`), and the model holds
+  the parameters to evaluate, chosen by ``model_params``: DiLoCo's anchor (the
+  global model, replicated in ``tx``'s state, so no communication) or the
+  workers' average (one all-reduce of the parameters per step).
 * Sharded models: a mesh may have *model axes* besides the data axes, e.g.
   ``jax.make_mesh((2, 4), ("data", "fsdp"))``. Variables whose sharding
   metadata (``nnx.with_partitioning(init, ("fsdp", None))``) names model axes
@@ -53,10 +55,15 @@ from flax import nnx
 from flax.nnx import spmd
 
 from jaxopt_dist._src import base, comm
+from jaxopt_dist._src.diloco import DiLoCoState
 from jaxopt_dist._src.training import layout, model_axes, replicas, runner
+from jaxopt_dist._src.training.elastic import reshard_opt_state, reshard_params
 
 P = jax.sharding.PartitionSpec
 BatchStats = Literal["sync", "per_worker"]
+ModelParams = Literal["anchor", "average"]
+MODEL_PARAMS = ("anchor", "average")
+"""The ``model_params`` modes of :func:`data_parallel`."""
 
 # Metrics whose state is a sum over examples: the global value is the old one
 # plus the sum of every worker's increment.
@@ -124,6 +131,7 @@ class _Leaf:
     per_worker: bool = False
     local_shape: tuple[int, ...] | None = None  # optimizer state: the shape of one worker's copy
     model: P = P()  # the spec over the model axes
+    anchor: int | None = None  # per-worker parameters: the position of the anchor the model holds
 
     @property
     def kept_stacked(self) -> bool:
@@ -187,6 +195,7 @@ class DataParallel(runner.RunsSteps):
     max_steps_in_flight: int | None = None
     per_worker_params: bool = False
     batch_axes: tuple[Any, ...] = ()
+    model_params: ModelParams | None = None
     # Per-worker running statistics and parameters: path -> (average written into the model,
     # stacked copies).
     _worker_stats: dict[Any, tuple[Any, Any]] = dataclasses.field(default_factory=dict, repr=False)
@@ -219,6 +228,58 @@ class DataParallel(runner.RunsSteps):
                 out[(*prefix, *map(_key_name, keypath))] = (mask, tuple(x.shape), spec)
         return out
 
+    def _anchors(self, nodes: Any) -> dict[tuple[Any, ...], list[tuple[Any, ...]]]:
+        """Path of a parameter relative to its module -> the paths of the anchor leaves that
+        the Optimizers' states (:class:`jaxopt_dist.DiLoCoState`) keep for it."""
+        out: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+
+        def is_diloco(x: Any) -> bool:
+            return isinstance(x, DiLoCoState)
+
+        for path, node in nnx.iter_graph(nodes):
+            if not isinstance(node, Optimizer):
+                continue
+            params = node.abstract_params()
+            rel = [tuple(map(_key_name, kp)) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+            local = jax.eval_shape(node.tx.init, params)
+            prefix = (*tuple(path), "opt_state")
+            for kp, state in jax.tree_util.tree_flatten_with_path(local, is_leaf=is_diloco)[0]:
+                if not is_diloco(state):
+                    continue
+                anchor = jax.tree_util.tree_flatten_with_path(state.anchor)[0]
+                if len(anchor) != len(rel):  # pragma: no cover - an anchor is shaped like params
+                    continue
+                for r, (akp, _) in zip(rel, anchor):
+                    where = (*prefix, *map(_key_name, kp), "anchor", *map(_key_name, akp))
+                    out.setdefault(r, []).append(where)
+        return out
+
+    def _with_anchors(
+        self, nodes: Any, leaves: list[_Leaf], shapes: dict[tuple[Any, ...], tuple[int, ...]]
+    ) -> list[_Leaf]:
+        """``leaves`` with each per-worker parameter pointed at the anchor the model holds
+        (``model_params="anchor"``, or its default where ``tx`` keeps anchors)."""
+        kept = [leaf for leaf in leaves if leaf.kept_stacked and leaf.kind == "param"]
+        if not kept or self.model_params == "average":
+            return leaves
+        anchors, index = self._anchors(nodes), {leaf.path: i for i, leaf in enumerate(leaves)}
+        out = list(leaves)
+        for leaf in kept:
+            found = [index[a] for a in anchors.get(leaf.path[1:], []) if a in index]
+            found = [i for i in found if leaves[i].local_shape == shapes[leaf.path]]
+            if len(found) != 1:
+                why = "keeps no anchor for it" if not found else f"keeps {len(found)} anchors for it"
+                raise ValueError(
+                    f"With per_worker_params=True the model holds the parameters to evaluate, and "
+                    f"the parameter {_path_str(leaf.path)} has no single one: its Optimizer's tx "
+                    f"{why} (jaxopt_dist.diloco and sparseloco keep one, the global model; gossip, "
+                    "average_params and noloco do not). Pass model_params='average' to write the "
+                    "workers' average into the model after every step (one all-reduce of the "
+                    "parameters per step, on top of what tx sends)."
+                )
+            out[index[leaf.path]] = dataclasses.replace(leaf, anchor=found[0])
+        return out
+
     def _checked_specs(self, specs: Any, values: Any, *, what: str) -> Any:
         """``specs`` checked against the mesh (model axes only, dimensions divisible)."""
         try:
@@ -247,7 +308,8 @@ class DataParallel(runner.RunsSteps):
             per_worker = kind == "batch_stat" and self.batch_stats == "per_worker"
             per_worker = per_worker or (kind == "param" and self.per_worker_params)
             leaves.append(_Leaf(path, kind, per_worker, model=specs[names[path]]))
-        return leaves
+        shapes = {p: tuple(np.shape(v.get_value())) for v, p in zip(variables, paths)}
+        return self._with_anchors(nodes, leaves, shapes)
 
     def _stack_inputs(self, values: list[Any], leaves: list[_Leaf]) -> list[Any]:
         """Per-worker leaves as stacked arrays (worker ``i`` owns row ``i``)."""
@@ -321,9 +383,10 @@ class DataParallel(runner.RunsSteps):
 
         def step(values, batch):
             new_values, out = fn(values, batch)
-            # Per-worker copies kept by the step: the NNX objects hold their mean.
+            # Per-worker copies kept by the step: the NNX objects hold their mean, unless they
+            # hold an anchor of the optimizer state (taken from the outputs, on the host).
             means = [
-                jnp.mean(x, axis=0).astype(x.dtype) if leaf.kept_stacked else None
+                jnp.mean(x, axis=0).astype(x.dtype) if leaf.kept_stacked and leaf.anchor is None else None
                 for x, leaf in zip(new_values, leaves)
             ]
             return new_values, means, out
@@ -336,7 +399,9 @@ class DataParallel(runner.RunsSteps):
         if not sharded:
             return jax.jit(step), (v_shard, b_shard)
         # The outputs keep the inputs' shardings (the compiler could pick others).
-        m_shard = [shard(leaf.model) if leaf.kept_stacked else None for leaf in leaves]
+        m_shard = [
+            shard(leaf.model) if leaf.kept_stacked and leaf.anchor is None else None for leaf in leaves
+        ]
         return jax.jit(step, out_shardings=(v_shard, m_shard, shard(P()))), (v_shard, b_shard)
 
     def __call__(self, *args: Any) -> Any:
@@ -345,7 +410,24 @@ class DataParallel(runner.RunsSteps):
         with jax.set_mesh(self.mesh):
             return self._call(*args)
 
-    def _call(self, *args: Any) -> Any:
+    def _split(
+        self, nodes: tuple[Any, ...]
+    ) -> tuple[Any, Any, list[tuple[Any, ...]], list[Any], list[_Leaf]]:
+        """``nodes``' graphdef, state treedef, leaf paths, leaf values and layout."""
+        graphdef, state = nnx.split(nodes)
+        flat = nnx.to_flat_state(state)
+        paths = [tuple(p) for p, _ in flat]
+        variables = [v for _, v in flat]
+        values, treedef = jax.tree.flatten(nnx.as_pure(state))
+        if len(values) != len(variables):  # pragma: no cover - guards flax internals
+            raise ValueError("Unexpected NNX state layout.")
+        leaves = self._runner.cached(
+            ("layout", graphdef, treedef), lambda: self._layout(nodes, variables, paths)
+        )
+        return graphdef, treedef, paths, values, leaves
+
+    def _prepare(self, *args: Any) -> tuple[Any, ...]:
+        """The compiled step for ``args`` and its placed inputs (built once per layout)."""
         nargs = len(args)
         node_pos = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
         batch_pos = [i for i in range(nargs) if i not in node_pos]
@@ -357,25 +439,31 @@ class DataParallel(runner.RunsSteps):
             "and nnx.Rngs as NNX objects.",
         )
         _check_metrics(nodes)
-        graphdef, state = nnx.split(nodes)
-        flat = nnx.to_flat_state(state)
-        paths = [tuple(p) for p, _ in flat]
-        variables = [v for _, v in flat]
-        values, treedef = jax.tree.flatten(nnx.as_pure(state))
-        if len(values) != len(variables):  # pragma: no cover - guards flax internals
-            raise ValueError("Unexpected NNX state layout.")
-        leaves = self._runner.cached(
-            ("layout", graphdef, treedef), lambda: self._layout(nodes, variables, paths)
-        )
+        graphdef, treedef, paths, values, leaves = self._split(nodes)
         values = self._stack_inputs(values, leaves)
         key = (graphdef, treedef, tuple(batch_pos), runner.shape_key((values, batch)))
         jitted, shardings = self._runner.cached(
             key, lambda: self._build(graphdef, treedef, leaves, batch, batch_pos, nargs)
         )
+        return nodes, treedef, leaves, jitted, shardings, values, batch
+
+    def _call(self, *args: Any) -> Any:
+        nodes, treedef, leaves, jitted, shardings, values, batch = self._prepare(*args)
         new_values, means, out = self._runner.dispatch(jitted, (values, batch), shardings, batch=1)
         self._write_back(nodes, treedef, new_values, means, leaves)
         self._runner.throttle((out, new_values))
         return out
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """The program a call with ``args`` runs, lowered and not run (nothing is updated).
+
+        ``step.lower(model, optimizer, batch).compile().as_text()`` is the
+        compiled HLO, e.g. for :func:`jaxopt_dist.hlo_collectives` to list
+        what the step sends.
+        """
+        with jax.set_mesh(self.mesh):
+            _, _, _, jitted, shardings, values, batch = self._prepare(*args)
+            return self._runner.lower(jitted, (values, batch), shardings)
 
     def worker_copies(self) -> dict[str, jax.Array]:
         """The per-worker values the step keeps while the NNX objects hold their average.
@@ -388,15 +476,182 @@ class DataParallel(runner.RunsSteps):
         """
         return {_path_str(path): kept for path, (_, kept) in self._worker_stats.items()}
 
+    # -- checkpoints --------------------------------------------------------
+
+    def checkpoint_state(self, *nodes: Any) -> dict[str, Any]:
+        """Everything a resumed run needs from the step's NNX arguments, as one tree of arrays.
+
+        Save it with orbax (``ocp.args.StandardSave(step.checkpoint_state(model,
+        optimizer))``); restore it into :meth:`checkpoint_target` and hand it to
+        :meth:`restore_state`. Pass the NNX arguments of a call, in its order.
+
+        Returns:
+          ``{"state": ..., "worker_copies": ...}``: ``"state"`` holds every
+          Variable of ``nodes`` as nested dicts keyed by strings (argument
+          ``"0"``, ``"1"``, ...; NNX's ``to_pure_dict`` layout), what the model
+          holds included and the optimizers' per-worker leaves stacked along a
+          leading worker axis; ``"worker_copies"`` holds the per-worker copies
+          the step keeps (:meth:`worker_copies`: parameters with
+          ``per_worker_params``, running statistics with
+          ``batch_stats="per_worker"``), stacked, in the same layout.
+        """
+        _, _, paths, values, leaves = self._split(nodes)
+        stacked = self._stack_inputs(values, leaves)
+        state = {p: (x if leaf.kept_stacked else s) for p, x, s, leaf in zip(paths, values, stacked, leaves)}
+        copies = {p: s for p, s, leaf in zip(paths, stacked, leaves) if leaf.kept_stacked}
+        return {"state": _nest(state), "worker_copies": _nest(copies)}
+
+    def checkpoint_target(self, *nodes: Any, saved: Any = None) -> dict[str, Any]:
+        """:meth:`checkpoint_state`'s layout for this mesh as ``jax.ShapeDtypeStruct`` leaves with
+        shardings, nothing allocated: the restore target, e.g.
+        ``ocp.args.StandardRestore(step.checkpoint_target(model, optimizer))``.
+
+        ``nodes`` may be freshly built (the optimizer's per-worker leaves not yet
+        stacked). ``saved``: the checkpoint's metadata (orbax:
+        ``mngr.item_metadata(step)``); each leaf's saved shape is checked
+        against the target first, so a checkpoint written by another number of
+        workers gets an error that names the fix (:meth:`regroup_state`)
+        rather than a restore that drops or splits workers' rows.
+        """
+        _, _, paths, values, leaves = self._split(nodes)
+        n, state, copies = self.num_workers, {}, {}
+        for path, x, leaf in zip(paths, values, leaves):
+            one = jax.ShapeDtypeStruct(
+                np.shape(x), jnp.result_type(x), sharding=self._model_sharding(leaf.model)
+            )
+            if leaf.per_worker and leaf.local_shape is not None:
+                shape = (n, *leaf.local_shape)
+                one = jax.ShapeDtypeStruct(
+                    shape, one.dtype, sharding=self._runner.stacked_sharding(leaf.model)
+                )
+            state[path] = one
+            if leaf.kept_stacked:
+                stacked = self._runner.stacked_sharding(leaf.model)
+                copies[path] = jax.ShapeDtypeStruct((n, *np.shape(x)), one.dtype, sharding=stacked)
+        target = {"state": _nest(state), "worker_copies": _nest(copies)}
+        if saved is not None:
+            layout.check_saved(saved, target, n=n, axis_name=self.axis_name, fix=self._regroup_fix())
+        return target
+
+    def _model_sharding(self, spec: P) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+    def _regroup_fix(self) -> str:
+        return (
+            "restore it without a target (host arrays) and write "
+            f"ckpt = step.regroup_state(raw, model, optimizer, ...) for {self.num_workers} workers "
+            "(jaxopt_dist.reshard_opt_state and reshard_params on each part)."
+        )
+
+    def restore_state(self, checkpoint: dict[str, Any], *nodes: Any) -> None:
+        """Writes a :meth:`checkpoint_state` tree into ``nodes`` and gives the step its per-worker
+        copies back, so the run continues as if it had not stopped (bit for bit, same number of
+        workers). A tree laid out for another number of workers is rejected with the fix."""
+        _, treedef, paths, _, leaves = self._split(nodes)
+        state, copies = _flat(checkpoint["state"]), _flat(checkpoint.get("worker_copies", {}))
+        n, new, kept = self.num_workers, [], {}
+        for path, leaf in zip(paths, leaves):
+            key = tuple(map(str, path))
+            if key not in state:
+                raise ValueError(
+                    f"The checkpoint holds no value for {_path_str(path)}: pass the NNX arguments "
+                    "it was saved from, in the same order."
+                )
+            x = state[key]
+            if leaf.per_worker and leaf.local_shape is not None:
+                want = jax.ShapeDtypeStruct((n, *leaf.local_shape), jnp.result_type(x))
+                self._check_stacked(x, want, leaf)
+            if leaf.kept_stacked:
+                if key not in copies:
+                    raise ValueError(
+                        f"The checkpoint holds no per-worker copies of {_path_str(path)}; save "
+                        "step.checkpoint_state(...), which includes them."
+                    )
+                c = copies[key]
+                self._check_stacked(c, jax.ShapeDtypeStruct((n, *np.shape(x)), jnp.result_type(x)), leaf)
+                kept[path] = c
+            new.append(x)
+        nnx.update(nodes, jax.tree.unflatten(treedef, new))
+        # The model's new values, by identity: the step continues from the copies while they stand.
+        _, _, paths, values, _ = self._split(nodes)
+        for path, x in zip(paths, values):
+            if path in kept:
+                self._worker_stats[path] = (x, kept[path])
+
+    def _check_stacked(self, x: Any, want: jax.ShapeDtypeStruct, leaf: _Leaf) -> None:
+        want = jax.ShapeDtypeStruct(
+            want.shape, want.dtype, sharding=self._runner.stacked_sharding(leaf.model)
+        )
+        layout.check_layout(
+            x,
+            want,
+            what=_path_str(leaf.path),
+            n=self.num_workers,
+            axis_name=self.axis_name,
+            fix=self._regroup_fix(),
+        )
+
+    def regroup_state(self, raw: dict[str, Any], *nodes: Any) -> dict[str, Any]:
+        """A :meth:`checkpoint_state` tree saved by any number of workers, regrouped for this
+        step's (host-side; for :meth:`restore_state`).
+
+        ``raw`` is the tree as restored without a target (host arrays, e.g.
+        ``mngr.restore(step, args=ocp.args.StandardRestore(zeros like
+        mngr.item_metadata(step)))``). Each :class:`Optimizer`'s state is
+        regrouped with :func:`jaxopt_dist.reshard_opt_state` and the per-worker
+        copies with :func:`jaxopt_dist.reshard_params` (their mean over workers
+        is kept); the rest is copied.
+        """
+        n = self.num_workers
+        state = {k: v for k, v in _flat(raw["state"]).items()}
+        for path, node in nnx.iter_graph(nodes):
+            if not isinstance(node, Optimizer):
+                continue
+            prefix = (*map(str, path), "opt_state")
+            sub = _nest({k[len(prefix) :]: v for k, v in state.items() if k[: len(prefix)] == prefix})
+            regrouped = reshard_opt_state(
+                sub,
+                node.tx,
+                node.abstract_params(),
+                num_workers=n,
+                axis_name=self.axis_name,
+                per_worker_params=self.per_worker_params,
+            )
+            for kp, x in jax.tree_util.tree_flatten_with_path(regrouped)[0]:
+                state[(*prefix, *layout.path_names(kp))] = x
+        copies = raw.get("worker_copies") or {}
+        return {
+            "state": _nest(state),
+            "worker_copies": reshard_params(copies, num_workers=n) if copies else {},
+        }
+
     def _write_back(self, nodes: Any, treedef: Any, new_values: list[Any], means: list[Any], leaves) -> None:
         """Writes the step's new state into the NNX objects; per-worker statistics as their mean."""
         written = []
         for x, mean, leaf in zip(new_values, means, leaves):
+            if leaf.anchor is not None:
+                mean = new_values[leaf.anchor]
             if mean is not None:
                 self._worker_stats[leaf.path] = (mean, x)
                 x = mean
             written.append(x)
         nnx.update(nodes, jax.tree.unflatten(treedef, written))
+
+
+def _nest(flat: dict[tuple[Any, ...], Any]) -> dict[str, Any]:
+    """``{path: leaf}`` as nested dicts keyed by strings."""
+    out: dict[str, Any] = {}
+    for path, x in flat.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(str(k), {})
+        node[str(path[-1])] = x
+    return out
+
+
+def _flat(tree: Any) -> dict[tuple[str, ...], Any]:
+    """Nested dicts (or any tree) as ``{path of strings: leaf}``."""
+    return {layout.path_names(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _finish(
@@ -441,6 +696,7 @@ def data_parallel(
     max_steps_in_flight: int | None = None,
     per_worker_params: bool = False,
     batch_axes: base.AxisName | None = None,
+    model_params: ModelParams | None = None,
 ) -> Any:
     r"""Runs an NNX step written for one device as a data-parallel step over ``mesh``.
 
@@ -485,9 +741,20 @@ def data_parallel(
         (:func:`jaxopt_dist.diloco`, ``average_params``, gossip). The step
         keeps the copies stacked along a leading worker axis (sharded over the
         model axes like the parameter; see :meth:`DataParallel.worker_copies`)
-        and writes their average into the model after each step, for
-        evaluation: one all-reduce of the parameters per step. Otherwise the
-        parameters are replicated and such a transform is rejected.
+        and the model holds the parameters to evaluate (``model_params``).
+        Otherwise the parameters are replicated and such a transform is
+        rejected.
+      model_params: what the model's parameters hold after each step with
+        ``per_worker_params=True``. ``"anchor"``: the anchor of ``tx``'s
+        :class:`jaxopt_dist.DiLoCoState` (``diloco``, ``sparseloco``), the
+        global model of the last synchronisation, which DiLoCo evaluates; it
+        is replicated in the optimizer state, so the step communicates
+        exactly what ``tx`` communicates. ``"average"``: the workers'
+        average, one all-reduce of the parameters over the data axis per
+        step on top of ``tx``'s (gossip, ``average_params``, ``noloco``, which
+        keep no replicated anchor). None (default): ``"anchor"``; a ``tx``
+        without an anchor is rejected with a message naming both choices,
+        so the extra all-reduce is never hidden.
       batch_axes: model axes that also split the batch, e.g. ``"fsdp"`` for
         FSDP (the batch's leading axis is split over the data axes and these).
         None: the data axes alone.
@@ -496,7 +763,11 @@ def data_parallel(
       A :class:`DataParallel` step (or a decorator making one).
 
     Communication:
-      Whatever ``tx`` communicates, plus: SyncBN, one ``pmean`` of
+      Whatever ``tx`` communicates, plus: with ``per_worker_params=True``
+      and ``model_params="average"``, one all-reduce of the parameters per
+      step (none with ``"anchor"``); with ``batch_stats="per_worker"``, one
+      all-reduce of the running statistics per step (their average, written
+      into the model); SyncBN, one ``pmean`` of
       ``2 x features`` floats per BatchNorm layer in the forward pass and its
       transpose in the backward pass; one ``psum`` per metric state leaf; one
       ``pmean`` per floating-point output. Parameters, replicated optimizer
@@ -544,4 +815,11 @@ def data_parallel(
         max_steps_in_flight=max_steps_in_flight,
         per_worker_params=per_worker_params,
         batch_axes=batch_axes,
+        model_params=_check_model_params(model_params),
     )
+
+
+def _check_model_params(value: Any) -> ModelParams | None:
+    if value is not None and value not in MODEL_PARAMS:
+        raise ValueError(f"`model_params` must be None or one of {MODEL_PARAMS}; got {value!r}.")
+    return value

@@ -273,8 +273,10 @@ def overlapped_step(
       one, so nothing is overlapped.
 
     The parameters, the numbers and the state are those of ``step`` alone
-    (which exchanges a fragment inside its applying step where nobody did):
-    replicas stay bit-identical, and the state this returns is the true
+    (which exchanges a fragment inside its applying step where nobody did),
+    to float32 rounding: the two are separate XLA programs, which the
+    compiler may contract into fused multiply-adds differently (see the
+    low-communication guide). Replicas stay bit-identical, and the state this returns is the true
     state (a leaf still being exchanged is an array not yet ready; saving it
     waits for it), so checkpoints and resumes are exact. A state that did not
     come from this runner's last call (a restored one) is taken as it is,

@@ -240,10 +240,40 @@ def trace_placement(
     layout.mesh_axis_size(mesh, axis_name)
     typing = _Typing(tx, params, mesh, axis_name, per_worker_params)
     try:
-        varying, updates_varying = _from_below(typing)
-    except Exception as e:  # noqa: BLE001 - JAX's cond/scan type errors have no common class
-        varying, updates_varying = _from_above(typing, e)
+        try:
+            varying, updates_varying = _from_below(typing)
+        except Exception as e:  # noqa: BLE001 - JAX's cond/scan type errors have no common class
+            varying, updates_varying = _from_above(typing, e)
+    except Exception as e:
+        not_float = non_float_paths(params)
+        if not not_float:
+            raise
+        raise ValueError(non_float_message(not_float, e)) from e
     return typing.placement(varying, updates_varying)
+
+
+def non_float_paths(params: Any) -> list[tuple[str, Any]]:
+    """``(path, dtype)`` of each leaf of ``params`` that is not floating point."""
+    return [
+        (jax.tree_util.keystr(path), jnp.result_type(x))
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+
+
+def non_float_message(not_float: list[tuple[str, Any]], error: Exception) -> str:
+    """The error for an optimizer that cannot take the gradients of integer parameters."""
+    names = ", ".join(f"{path} ({dtype})" for path, dtype in not_float)
+    return (
+        f"The parameters hold non-floating-point leaves: {names}. Their gradients are float0 "
+        "(jax.grad(..., allow_int=True)), and the optimizer fails on them: "
+        f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. Keep such "
+        "values out of the parameters (in the batch or a closure; NNX: an nnx.Variable, not "
+        "nnx.Param; linen: a collection other than 'params'), or use transforms that pass integer "
+        "leaves through unchanged: jaxopt_dist's aggregation and compression transforms and its "
+        "optimizers do (e.g. jaxopt_dist.adam or jaxopt_dist.sgd in place of optax.adam), optax's "
+        "adam and adamw do not."
+    )
 
 
 def opt_state_placement(

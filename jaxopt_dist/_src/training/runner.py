@@ -132,6 +132,11 @@ class StepRunner:
         with jax.set_mesh(self.mesh):
             return fn(*jax.device_put(args, shardings))
 
+    def lower(self, fn: Any, args: tuple[Any, ...], shardings: tuple[Any, ...]) -> jax.stages.Lowered:
+        """``fn`` (a jitted step) lowered for ``args`` placed by ``shardings``, without running it."""
+        with jax.set_mesh(self.mesh):
+            return fn.lower(*jax.tree.map(_abstract_on, args, shardings))
+
     def throttle(self, token: Any) -> None:
         """Records a dispatched call by ``token`` (arrays it returns that are never donated);
         waits for the oldest call once more than the in-flight limit are queued."""
@@ -140,6 +145,10 @@ class StepRunner:
         self._in_flight.append(token)
         if len(self._in_flight) > self._limit:
             jax.block_until_ready(self._in_flight.popleft())
+
+
+def _abstract_on(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
 
 
 class RunsSteps:

@@ -34,16 +34,22 @@ def place_params(
     *,
     mesh: jax.sharding.Mesh,
     axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
-    per_worker: bool = False,
+    per_worker_params: bool | None = None,
     param_specs: Any = None,
+    per_worker: bool | None = None,
 ) -> Any:
     """Puts one copy of the parameters on ``mesh``: replicated, or one copy per worker.
 
-    With ``per_worker=True`` each leaf gets a leading axis of size ``n`` (worker
-    ``i`` owns row ``i``), as :func:`data_parallel_step` expects for transforms
-    with per-worker parameters (``average_params``, gossip). ``param_specs``
-    (see :func:`data_parallel_step`) shards each leaf over the model axes too.
+    With ``per_worker_params=True`` each leaf gets a leading axis of size ``n``
+    (worker ``i`` owns row ``i``), as :func:`data_parallel_step` expects for
+    transforms with per-worker parameters (``average_params``, gossip,
+    ``diloco``). ``param_specs`` (see :func:`data_parallel_step`) shards each
+    leaf over the model axes too. ``per_worker`` is the deprecated spelling of
+    ``per_worker_params`` (it still works, with a ``DeprecationWarning``).
     """
+    per_worker = bool(
+        base.renamed_keyword(per_worker_params, per_worker, new="per_worker_params", old="per_worker")
+    )
     axis_name = base.validate_axis_name(axis_name)
     layout.mesh_axis_size(mesh, axis_name)
     specs = layout.mask_specs(jax.tree.map(lambda _: per_worker, params), axis_name)
@@ -228,26 +234,57 @@ class DataParallelStep(runner.RunsSteps):
           data axes), or stacked per worker when ``per_worker_params``; with
           ``param_specs``, every leaf sharded over the model axes like its parameter.
         """
+        self._check_one_copy(params)
         with self._step_mesh():
             (p_spec, s_spec), (p_model, s_model) = self._specs(params), self._model_specs(params)
             state = layout.place_by_specs(self.tx.init(params), s_spec, mesh=self.mesh, model_specs=s_model)
             return layout.place_by_specs(params, p_spec, mesh=self.mesh, model_specs=p_model), state
 
-    def abstract_init(self, params: Any) -> tuple[Any, Any]:
+    def abstract_init(self, params: Any, *, saved: Any = None) -> tuple[Any, Any]:
         """Like :meth:`init`, as ``jax.ShapeDtypeStruct`` leaves with shardings; nothing is allocated.
 
         The restore target for a checkpoint of ``(params, opt_state)``, e.g.
         ``ocp.args.StandardRestore(step.abstract_init(params0))`` with
         orbax-checkpoint: per-worker leaves come back stacked and placed
         ``P(axis_name)``, the rest replicated.
+
+        ``saved``: the checkpoint's metadata (orbax: ``mngr.item_metadata(step)``).
+        Each leaf's saved shape is checked against the target first, so a
+        checkpoint written by another number of workers gets an error that
+        names the fix (regroup it with :func:`jaxopt_dist.reshard_opt_state`)
+        before the checkpoint library sees the arrays.
         """
+        self._check_one_copy(params)
         local = base.abstract(params)
         with self._step_mesh():
             (p_spec, s_spec), (p_model, s_model) = self._specs(local), self._model_specs(local)
             state = jax.eval_shape(self.tx.init, local)
-        return layout.placed_abstract(local, p_spec, self.mesh, p_model), layout.placed_abstract(
-            state, s_spec, self.mesh, s_model
+        target = (
+            layout.placed_abstract(local, p_spec, self.mesh, p_model),
+            layout.placed_abstract(state, s_spec, self.mesh, s_model),
         )
+        if saved is not None:
+            n = self.num_workers
+            fix = (
+                "restore it without a target (host arrays), then "
+                f"{layout.reshard_fix('opt_state', n)}"
+                + (f" and {layout.reshard_fix('params', n)}" if self.per_worker_params else "")
+                + " (see the checkpointing guide)."
+            )
+            layout.check_saved(saved, target, n=n, axis_name=self.axis_name, fix=fix)
+        return target
+
+    def _check_one_copy(self, params: Any) -> None:
+        """Rejects parameters placed stacked per worker where one copy is expected."""
+        stacked = layout.stacked_leaves(params, self.axis_name)
+        if stacked:
+            raise ValueError(
+                f"The parameters are stacked per worker already (leaf {stacked[0]} is split over "
+                f"{self.axis_name!r} along its leading axis, as step.init returns per-worker "
+                "parameters): init and abstract_init take one copy and stack it themselves. Pass "
+                "one copy (the parameters you started from); to continue a run, pass the stacked "
+                "params to the step as they are."
+            )
 
     def _local_params(self, params: Any) -> Any:
         if self.per_worker_params:
@@ -326,6 +363,16 @@ class DataParallelStep(runner.RunsSteps):
         out = self._runner.dispatch(fn, (params, opt_state, batch), shardings, batch=2)
         self._runner.throttle(out[2]["loss"])
         return out
+
+    def lower(self, params: Any, opt_state: Any, batch: Any) -> jax.stages.Lowered:
+        """The program ``step(params, opt_state, batch)`` runs, lowered and not run.
+
+        ``step.lower(params, opt_state, batch).compile().as_text()`` is the
+        compiled HLO, e.g. for :func:`jaxopt_dist.hlo_collectives` to list
+        what the step sends.
+        """
+        fn, shardings = self._compiled(params, opt_state, batch)
+        return self._runner.lower(fn, (params, opt_state, batch), shardings)
 
     def call_with(
         self, params: Any, opt_state: Any, batch: Any, extra: Callable[..., Any], extra_args: tuple[Any, ...]
