@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds to wait for a quorum")
     p.add_argument("--quorum-retries", type=int, default=3, help="retries of a failed quorum request")
     p.add_argument("--log", default=None, help="append one JSON line per synchronisation here")
+    p.add_argument("--anchors-dir", default=None, help="save the anchor after each round here (round<R>.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per inner step")
     p.add_argument(
         "--die-in-exchange-at",
@@ -171,6 +172,7 @@ class DyingTransport:
 
 def run_island(args: argparse.Namespace) -> int:
     import jax
+    import numpy as np
 
     import jaxopt_dist as jd
     from jaxopt_dist import islands
@@ -187,6 +189,10 @@ def run_island(args: argparse.Namespace) -> int:
 
     def on_sync(rec: Any, params: Any, opt_state: Any) -> None:
         anchor = jax.tree.map(lambda a: a, opt_state.anchor)
+        if args.anchors_dir:
+            os.makedirs(args.anchors_dir, exist_ok=True)
+            path = os.path.join(args.anchors_dir, f"island{args.island_id}_round{rec.round}.npz")
+            np.savez(path, step=rec.step, **jax.device_get(anchor))
         log(
             round=rec.round,
             step=rec.step,
