@@ -1,0 +1,148 @@
+"""Islands over torchft, as processes: real SIGKILL, SIGSTOP, restarts and a lighthouse restart.
+
+Each island is a process of ``examples/islands.py``; the lighthouse is one
+too; ``examples/islands_chaos.py`` starts them and fires the faults. These
+tests need torch and torchft (``pip install ".[islands]"``): they skip where
+those are missing, except under ``JAXOPT_DIST_REQUIRE_TORCHFT=1`` (the CI
+leg that installs them), where a missing torchft is a failure.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jaxopt_dist as jd
+from tests import helpers
+
+if os.environ.get("JAXOPT_DIST_REQUIRE_TORCHFT") != "1":
+    pytest.importorskip("torchft")
+else:
+    import torchft  # noqa: F401
+
+chaos = helpers.load_example("islands_chaos")
+example = helpers.load_example("islands")
+H = 10
+
+
+def _cluster(tmp_path, *, min_islands=2, extra=()):
+    return chaos.Cluster(
+        str(tmp_path),
+        island_args=[
+            "--sync-every",
+            str(H),
+            "--min-islands",
+            str(min_islands),
+            "--quorum-timeout",
+            "30",
+            *extra,
+        ],
+        min_islands=min_islands,
+        join_timeout_ms=2000,
+        heartbeat_timeout_ms=2000,
+        python=sys.executable,
+    )
+
+
+def _rounds(rows, island=None):
+    return [r for r in rows if "round" in r and (island is None or r["island"] == str(island))]
+
+
+def _first_after(rows, t, island, without):
+    later = [r for r in _rounds(rows, island) if r["time"] > t and str(without) not in r["participants"]]
+    return min(later, key=lambda r: r["time"])
+
+
+def _event_time(cluster, name, island):
+    return next(e["time"] for e in cluster.events if e["event"] == name and e.get("island") == island)
+
+
+def test_fault_free_islands_match_in_process_diloco(tmp_path):
+    """Three islands over torchft: every round's anchor is the in-process diloco's on three workers."""
+    steps = 4 * H
+    cluster = _cluster(tmp_path, min_islands=3, extra=["--steps", str(steps), "--anchors-dir", str(tmp_path)])
+    cluster.start_lighthouse()
+    for i in range(3):
+        cluster.start(i)
+    hung = chaos.run_faults(cluster, [], timeout=240)
+    rows = cluster.rows()
+    assert not hung and chaos.summarize(rows, hung)["errors"] == []
+    args = example.parse_args(
+        ["--island-id", "0", "--lighthouse", "-", "--steps", str(steps), "--sync-every", str(H)]
+    )
+    setup = example.build(args)
+    mesh = jax.make_mesh((3,), ("data",), devices=jax.devices()[:3])
+    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True)
+    p, s = step.init(setup.params)
+    ref = []
+    for t in range(steps):
+        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *[setup.batch_for(i, t) for i in range(3)])
+        p, s, _ = step(p, s, batch)
+        ref.append(jax.device_get(s.anchor))
+    for r in _rounds(rows):
+        assert r["participants"] == ["0", "1", "2"] and r["weights"] == [1.0, 1.0, 1.0], r
+    assert len({r["anchor_sha256"] for r in _rounds(rows) if r["round"] == 4}) == 1
+    files = sorted(glob.glob(str(tmp_path / "island*_round*.npz")))
+    assert len(files) == 3 * (steps // H)
+    for path in files:
+        saved = np.load(path)
+        want = ref[int(saved["step"]) - 1]
+        for k, v in want.items():
+            assert np.max(np.abs(saved[k] - v)) <= 1e-6 * np.max(np.abs(v)), (path, k)
+
+
+def test_kills_stops_and_restarts(tmp_path):
+    """SIGKILL in inner steps and inside the exchange, restarts that heal, a SIGSTOP past the heartbeat."""
+    cluster = _cluster(tmp_path, extra=["--steps", "600", "--step-sleep", "0.03"])
+    cluster.start_lighthouse()
+    cluster.start(0)
+    cluster.start(1, ["--die-in-exchange-at=12"])  # dies as it enters round 12's all-reduce
+    cluster.start(2)
+    Fault = chaos.Fault
+    faults = [Fault("kill", 2, 4), Fault("restart", 2, 6), Fault("restart", 1, 14), Fault("stop", 2, 40, 4.0)]
+    hung = chaos.run_faults(cluster, faults, timeout=400)
+    rows = cluster.rows()
+    summary = chaos.summarize(rows, hung)
+    assert summary["hangs"] == 0 and summary["divergent_anchors"] == 0 and summary["errors"] == [], summary
+    # The survivors leave a killed island out of their next committed round, soon.
+    killed = _event_time(cluster, "SIGKILL", 2)
+    assert _first_after(rows, killed, 0, without=2)["time"] - killed < 10.0
+    # The round in flight when island 1 died inside its all-reduce is kept: redone among the survivors.
+    r12 = [r for r in _rounds(rows, 0) if r["round"] == 12]
+    assert len(r12) == 1 and r12[0]["participants"] == ["0", "2"] and r12[0]["redone"] >= 1
+    assert sorted(r["round"] for r in _rounds(rows, 0)) == list(range(1, 61))  # no round lost
+    # Restarted islands heal with weight 0, with the survivors' anchor, then take part.
+    for i in (1, 2):
+        healed = [r for r in _rounds(rows, i) if r["healed"]]
+        assert healed, i
+        h = healed[0]
+        assert h["weights"][h["participants"].index(str(i))] == 0.0
+        nxt = [r for r in _rounds(rows, i) if r["round"] == h["round"] + 1][0]
+        assert nxt["weights"][nxt["participants"].index(str(i))] == 1.0
+    # A stopped island is left out within the heartbeat timeout (2 s) and a margin, then heals.
+    stopped = _event_time(cluster, "SIGSTOP", 2)
+    assert _first_after(rows, stopped, 0, without=2)["time"] - stopped < 2.0 + 6.0
+    assert any(r["healed"] and r["time"] > stopped for r in _rounds(rows, 2))
+    done = [r for r in rows if r.get("done")]
+    assert len(done) == 3 and done[0]["val_loss"] < _rounds(rows, 0)[0]["val_loss"]
+
+
+def test_a_lighthouse_restart_is_ridden_through(tmp_path):
+    """The lighthouse dies for 3 s mid-run and comes back on its address: the islands keep training;
+    every round still ends with one anchor among its members, and nobody waits past its bound."""
+    cluster = _cluster(tmp_path, extra=["--steps", "300", "--step-sleep", "0.03"])
+    cluster.start_lighthouse()
+    for i in range(3):
+        cluster.start(i)
+    hung = chaos.run_faults(cluster, [chaos.Fault("lighthouse", -1, 5, 3.0)], timeout=300)
+    rows = cluster.rows()
+    summary = chaos.summarize(rows, hung)
+    assert summary["hangs"] == 0 and summary["divergent_anchors"] == 0, summary
+    restarted = max(e["time"] for e in cluster.events if e["event"] == "lighthouse-start")
+    assert len({r["round"] for r in _rounds(rows) if r["time"] > restarted}) >= 10
+    assert any(r.get("done") for r in rows)
