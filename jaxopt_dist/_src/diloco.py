@@ -224,8 +224,8 @@ class OuterExchange:
         collective sits inside the step's ``lax.switch`` (which would keep
         GPU compilers from overlapping the runner's fused exchange with
         the step's compute).
-      land: for ``sync_delay=0`` in :attr:`DiLoCoTransformation.external`
-        only (else None): ``(f, params, state, aggregate_f) -> (params,
+      land: for ``sync_delay=0`` in a :class:`DiLoCoTransformation`'s
+        ``external`` exchange only (else None): ``(f, params, state, aggregate_f) -> (params,
         state)``, per worker, the outer step of fragment ``f`` that the
         ``trusting`` step leaves undone (its synchronising step only sends),
         for a runner that exchanges between that step and the next.
@@ -336,7 +336,8 @@ def diloco(
     blended.
 
     ``overlap=True`` (with ``sync_delay >= 1`` or ``eager``) keeps the
-    numbers and moves the bytes off the step that takes the pseudo-gradient:
+    numbers (to float32 rounding: see the low-communication guide) and moves
+    the bytes off the step that takes the pseudo-gradient:
     that step only stores the worker's own value in the state's ``outbox``,
     and the exchange (``aggregate``) runs later, either beside the next
     inner steps, run by :func:`overlapped_step` (on a mesh of its own, or
