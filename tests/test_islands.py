@@ -321,3 +321,30 @@ def test_islands_with_different_models_fail_clearly():
 
     _run_threads([(run, (i,), {}) for i in range(2)])
     assert len(errors) == 2 and any("did not commit within 1.0 s" in e for e in errors)
+
+
+def test_an_island_over_two_devices_is_the_one_device_island():
+    """Inside an island the step is unchanged: dense data parallelism over its own two devices
+    (``batch_axes``) gives the anchors of the one-device island, to float rounding."""
+    out = {}
+
+    def run(i, hub, two):
+        tx = jd.diloco(optax.adam(0.05), sync_every=H)
+        if two:
+            mesh = jax.make_mesh((1, 2), ("data", "replica"), devices=jax.devices()[2 * i : 2 * i + 2])
+            kw = dict(param_specs=jax.P(), batch_axes="replica")
+        else:
+            mesh, kw = jax.make_mesh((1,), ("data",), devices=[jax.devices()[i]]), {}
+        step = jd.data_parallel_step(_loss, tx, mesh=mesh, per_worker_params=True, **kw)
+        isl = islands.island(step, hub.transport(), island_id=i)
+        p, s = isl.init(_params())
+        for t in range(2 * H + 1):
+            p, s, _ = isl(p, s, _batch(i, t))
+        isl.finish()
+        out[(i, two)] = jax.device_get(s.anchor)
+
+    for two in (False, True):
+        hub = islands.LocalHub(min_islands=2, join_timeout=1.0)
+        _run_threads([(run, (i, hub, two), {}) for i in range(2)])
+    _assert_close_to(out[(0, True)], out[(0, False)])
+    helpers.assert_trees_equal(out[(0, True)], out[(1, True)])
