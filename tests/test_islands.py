@@ -182,7 +182,7 @@ def test_islands_match_in_process_diloco(variant):
     """Fault-free: every round's anchor is the in-process run's (to float rounding), the same on every island."""
     make_tx, steps = _maker(VARIANTS[variant]), 3 * H + 1
     ref = _reference(make_tx, steps)
-    hub, out = islands.LocalHub(min_islands=N, join_timeout=1.0), {}
+    hub, out = islands.LocalHub(min_islands=N, join_timeout=10.0), {}
     _run_threads([(_island_thread, (i, make_tx, hub.transport(), steps, out), {}) for i in range(N)])
     for i in range(N):
         assert len(out[i]) == 3 * len(make_tx().external.launch_phase), i
@@ -196,7 +196,7 @@ def test_islands_match_in_process_diloco(variant):
 def test_tokens_rule_with_equal_steps_is_the_mean():
     make_tx, steps = _maker({}), 2 * H + 1
     ref = _reference(make_tx, steps)
-    hub, out = islands.LocalHub(min_islands=N, join_timeout=1.0), {}
+    hub, out = islands.LocalHub(min_islands=N, join_timeout=10.0), {}
     tokens = dict(rule="tokens", tokens_per_step=16)
     _run_threads([(_island_thread, (i, make_tx, hub.transport(), steps, out), tokens) for i in range(N)])
     for rec, anchor in out[0]:
@@ -225,7 +225,7 @@ def test_a_death_in_the_exchange_is_redone_and_a_restart_heals_with_weight_zero(
         optax.sgd(0.1), sync_every=H, outer=optax.sgd(0.7, momentum=0.9), aggregate=islands.weighted_mean()
     )
     steps = 10 * H
-    hub, out = islands.LocalHub(min_islands=2, join_timeout=1.0), {}
+    hub, out = islands.LocalHub(min_islands=2, join_timeout=10.0), {}
     first, rejoin = {}, {}
 
     def survivors_then_restart():
@@ -344,7 +344,7 @@ def test_an_island_over_two_devices_is_the_one_device_island():
         out[(i, two)] = jax.device_get(s.anchor)
 
     for two in (False, True):
-        hub = islands.LocalHub(min_islands=2, join_timeout=1.0)
+        hub = islands.LocalHub(min_islands=2, join_timeout=10.0)
         _run_threads([(run, (i, hub, two), {}) for i in range(2)])
     _assert_close_to(out[(0, True)], out[(0, False)])
     helpers.assert_trees_equal(out[(0, True)], out[(1, True)])

@@ -96,16 +96,42 @@ def test_fault_free_islands_match_in_process_diloco(tmp_path):
             assert np.max(np.abs(saved[k] - v)) <= 1e-6 * np.max(np.abs(v)), (path, k)
 
 
+def _wait(cluster, condition, timeout=240.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition(cluster.rows()):
+        assert time.monotonic() < deadline, "the islands did not get there in time"
+        time.sleep(0.05)
+
+
 def test_kills_stops_and_restarts(tmp_path):
     """SIGKILL in inner steps and inside the exchange, restarts that heal, a SIGSTOP past the heartbeat."""
-    cluster = _cluster(tmp_path, extra=["--steps", "600", "--step-sleep", "0.03"])
+    cluster = _cluster(tmp_path, extra=["--steps", "800", "--step-sleep", "0.03"])
     cluster.start_lighthouse()
     cluster.start(0)
     cluster.start(1, ["--die-in-exchange-at=12"])  # dies as it enters round 12's all-reduce
     cluster.start(2)
-    Fault = chaos.Fault
-    faults = [Fault("kill", 2, 4), Fault("restart", 2, 6), Fault("restart", 1, 14), Fault("stop", 2, 40, 4.0)]
-    hung = chaos.run_faults(cluster, faults, timeout=400)
+    top = lambda rows: max((r["round"] for r in _rounds(rows)), default=-1)  # noqa: E731
+    stopped = []
+    try:
+        _wait(cluster, lambda rows: top(rows) >= 4)
+        cluster.signal(2, chaos.signal.SIGKILL)
+        _wait(cluster, lambda rows: top(rows) >= 6)
+        cluster.start(2)
+        _wait(cluster, lambda rows: top(rows) >= 14 and any(r.get("healed") for r in _rounds(rows, 2)))
+        cluster.start(1)
+        _wait(cluster, lambda rows: any(r.get("healed") for r in _rounds(rows, 1)))
+        cluster.signal(2, chaos.signal.SIGSTOP)
+        stopped.append(True)
+        _wait(cluster, lambda rows: any(r["participants"] == ["0", "1"] for r in _rounds(rows, 0)[-1:]))
+        import time
+
+        time.sleep(2.0)
+    finally:
+        if stopped:
+            cluster.signal(2, chaos.signal.SIGCONT)
+    hung = cluster.wait(300)
     rows = cluster.rows()
     summary = chaos.summarize(rows, hung)
     assert summary["hangs"] == 0 and summary["divergent_anchors"] == 0 and summary["errors"] == [], summary
@@ -114,20 +140,18 @@ def test_kills_stops_and_restarts(tmp_path):
     assert _first_after(rows, killed, 0, without=2)["time"] - killed < 10.0
     # The round in flight when island 1 died inside its all-reduce is kept: redone among the survivors.
     r12 = [r for r in _rounds(rows, 0) if r["round"] == 12]
-    assert len(r12) == 1 and r12[0]["participants"] == ["0", "2"] and r12[0]["redone"] >= 1
-    assert sorted(r["round"] for r in _rounds(rows, 0)) == list(range(1, 61))  # no round lost
+    assert len(r12) == 1 and "1" not in r12[0]["participants"] and r12[0]["redone"] >= 1
+    assert sorted(r["round"] for r in _rounds(rows, 0)) == list(range(1, 81))  # no round lost
     # Restarted islands heal with weight 0, with the survivors' anchor, then take part.
     for i in (1, 2):
-        healed = [r for r in _rounds(rows, i) if r["healed"]]
-        assert healed, i
-        h = healed[0]
+        h = [r for r in _rounds(rows, i) if r["healed"]][0]
         assert h["weights"][h["participants"].index(str(i))] == 0.0
         nxt = [r for r in _rounds(rows, i) if r["round"] == h["round"] + 1][0]
         assert nxt["weights"][nxt["participants"].index(str(i))] == 1.0
     # A stopped island is left out within the heartbeat timeout (2 s) and a margin, then heals.
-    stopped = _event_time(cluster, "SIGSTOP", 2)
-    assert _first_after(rows, stopped, 0, without=2)["time"] - stopped < 2.0 + 6.0
-    assert any(r["healed"] and r["time"] > stopped for r in _rounds(rows, 2))
+    stop = _event_time(cluster, "SIGSTOP", 2)
+    assert _first_after(rows, stop, 0, without=2)["time"] - stop < 2.0 + 6.0
+    assert any(r["healed"] and r["time"] > stop for r in _rounds(rows, 2))
     done = [r for r in rows if r.get("done")]
     assert len(done) == 3 and done[0]["val_loss"] < _rounds(rows, 0)[0]["val_loss"]
 

@@ -61,12 +61,11 @@ class SyncRecord:
 
 @dataclasses.dataclass
 class _Outcome:
-    """A committed round, before it lands: the merged aggregate and what to log."""
+    """A committed round, before it lands: host values only (a round runs beside the steps)."""
 
-    fragment: int
+    fragment: int  # -1: the join round
     merged: merge.Merged
-    new_agg: Any
-    healed: Any  # the healing (params, opt_state), or None
+    healed: Any  # the healing (params, opt_state) as host trees (residuals zeroed), or None
     round: int
     redone: int
     seconds: float
@@ -76,8 +75,20 @@ def anchor_sha256(opt_state: Any) -> str:
     """SHA-256 of a :class:`jaxopt_dist.DiLoCoState`'s anchor as float32 bytes, leaves in tree order."""
     h = hashlib.sha256()
     for x in jax.tree.leaves(opt_state.anchor):
-        h.update(np.ascontiguousarray(np.asarray(jax.device_get(x), np.float32)).tobytes())
+        h.update(np.ascontiguousarray(_host(x), np.float32).tobytes())
     return h.hexdigest()
+
+
+def _host(x: Any) -> np.ndarray:
+    """A leaf's value on the host: the array itself, or (an island of several processes) this
+    process's copy of a leaf replicated over the island's devices."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(jax.device_get(x))
+
+
+def _host_count(opt_state: Any) -> int:
+    return int(_host(opt_state.count).reshape(-1)[0])
 
 
 class Island:
@@ -120,6 +131,8 @@ class Island:
         self._t: int | None = None
         self._last: Any = None
         self._programs: dict[Any, Any] = {}
+        self._own_agg: Any = None  # the aggregate state this island's last send left
+        self._lead = jax.process_index() == 0  # an island of several processes talks through its first
 
     # ---------------------------------------------------------------- public
     def init(self, params: Any, *, warmup_batch: Any = None) -> tuple[Any, Any]:
@@ -131,20 +144,23 @@ class Island:
         out for being slow).
         """
         params, opt_state = self.step.init(params)
+        _check_replicated((params, opt_state))
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
         self._snapshot = (params, opt_state)
         self._digest = anchor_sha256(opt_state)
-        self.transport.bind(self.island_id, self._save, self._load)
-        outcome = self._run_round(None, params, opt_state, self._digest)
-        params, opt_state = self._land(outcome, params, opt_state)
+        if self._lead:
+            self.transport.bind(self.island_id, self._save, self._load)
+        outcome = self._run_round(None, [], opt_state, self._digest) if self._lead else None
+        params, opt_state = self._land(self._share(outcome, params, opt_state), params, opt_state)
         return params, self._remember(opt_state)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
         """One inner step, then the outer exchange of the fragment it sent (if any) over the transport."""
         t = self._count(opt_state)
         if self._flight is not None and t % self.exchange.sync_every in self.exchange.land_phase:
-            params, opt_state = self._land(self._flight.result(), params, opt_state)
+            outcome = self._share(self._flight.result(), params, opt_state)
+            params, opt_state = self._land(outcome, params, opt_state)
             self._flight = None
             t = self._count(opt_state)
         params, opt_state, metrics = self.step(params, opt_state, batch)
@@ -164,9 +180,10 @@ class Island:
         copy = jax.tree.map(lambda x: x.copy(), (params, opt_state))
         p, s, _ = self.step(*copy, batch)
         for f in range(len(opt_state.outer_states)):
-            own, _ = self._contribution(f, p, s)
+            own = self._contribution(f, p, s)
             if self.exchange.land is not None:
                 jax.block_until_ready(self._land_now(f, merge.Merged(own, [], []), p, s))
+        self._own_agg = None
 
     def step_count(self, opt_state: Any) -> int:
         """The inner steps ``opt_state`` has taken (after healing: its source's count)."""
@@ -177,7 +194,8 @@ class Island:
         if self._flight is not None:
             self._flight.result()
             self._flight = None
-        self.transport.close()
+        if self._lead:
+            self.transport.close()
         self._pool.shutdown(wait=False)
 
     # ------------------------------------------------------------- the round
@@ -188,31 +206,37 @@ class Island:
     def _count(self, opt_state: Any) -> int:
         """The state's inner-step count (kept on the host for the state this island last returned)."""
         if opt_state is not self._last or self._t is None:
-            self._t = int(np.asarray(jax.device_get(opt_state.count)).reshape(-1)[0])
+            self._t = _host_count(opt_state)
         return self._t
 
     def _launch(self, f: int, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """After the step that sent fragment ``f``: its round, now (``sync_delay=0``) or beside the next steps."""
         self._snapshot = (params, opt_state)
+        own = self._contribution(f, params, opt_state)
         if self.exchange.land is not None:
-            return self._land(self._run_round(f, params, opt_state, self._digest), params, opt_state)
-        self._flight = self._pool.submit(self._run_round, f, params, opt_state, self._digest)
+            outcome = self._run_round(f, own, opt_state, self._digest) if self._lead else None
+            return self._land(self._share(outcome, params, opt_state), params, opt_state)
+        self._flight = concurrent.futures.Future()
+        if self._lead:
+            self._flight = self._pool.submit(self._run_round, f, own, opt_state, self._digest)
+        else:
+            self._flight.set_result(None)  # the island's first process runs the round
         return params, opt_state
 
-    def _run_round(self, f: int | None, params: Any, opt_state: Any, digest: str) -> _Outcome:
+    def _run_round(self, f: int | None, own: list[np.ndarray], opt_state: Any, digest: str) -> _Outcome:
         """Quorum, all-reduce and commit, run again among survivors until it commits (within the bound).
 
-        ``digest``: the anchor's SHA-256 before the round (the members check that theirs agree).
+        ``own``: this island's aggregate of fragment ``f`` (host leaves); ``digest``: the anchor's
+        SHA-256 before the round (the members check that theirs agree). Touches no device.
         """
         start, redone, healed = time.monotonic(), 0, None
-        own, new_agg = self._contribution(f, params, opt_state)
         while True:
             merged = None
             try:
                 if self.transport.quorum():
-                    healed = self._adopt(params, opt_state)
+                    healed = self._adopt(opt_state)
                     f = self._fragment_of(healed[1])
-                    own, new_agg = self._nothing(f, healed[1])
+                    own = self._nothing(f, healed[1])
                     digest = anchor_sha256(healed[1])
                 merged = self._exchange(own, self._weight(f, healed is not None), digest)
             except ExchangeError:
@@ -228,7 +252,7 @@ class Island:
                 )
         rounds = self.transport.rounds_committed() - 1
         frag = -1 if f is None else f
-        return _Outcome(frag, merged, new_agg, healed, rounds, redone, time.monotonic() - start)
+        return _Outcome(frag, merged, healed, rounds, redone, time.monotonic() - start)
 
     def _exchange(self, own: list[np.ndarray], weight: float, digest: str) -> merge.Merged:
         """One all-reduce of the packed round; the members' rounds and anchors must agree."""
@@ -258,7 +282,7 @@ class Island:
 
     def _fragment_of(self, opt_state: Any) -> int | None:
         """The fragment a state (just after a send) waits to exchange; None for one that never stepped."""
-        t = int(np.asarray(jax.device_get(opt_state.count)).reshape(-1)[0])
+        t = _host_count(opt_state)
         if t == 0:
             return None
         sent = self.exchange.launches_after(t - 1)
@@ -268,62 +292,69 @@ class Island:
             )
         return sent[0]
 
-    def _contribution(self, f: int | None, params: Any, opt_state: Any) -> tuple[list[np.ndarray], Any]:
-        """This island's aggregate of fragment ``f`` on its own devices (host leaves), and its new aggregate state."""
-        if f is None:
-            return [], None
+    def _contribution(self, f: int, params: Any, opt_state: Any) -> list[np.ndarray]:
+        """This island's aggregate of fragment ``f`` on its own devices (host leaves); keeps the new
+        aggregate state (a compressor's residual) for the landing."""
         s = opt_state
         d, new_agg = self._program("exchange", f, params)(s.outbox[f], s.aggregate_states[f], s.anchor)
-        new_agg = jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new_agg, s.aggregate_states[f])
-        return [np.asarray(x) for x in jax.device_get(d)], new_agg
+        self._own_agg = jax.tree.map(
+            lambda n, o: jax.device_put(n, o.sharding), new_agg, s.aggregate_states[f]
+        )
+        return [_host(x) for x in d]
 
-    def _nothing(self, f: int | None, opt_state: Any) -> tuple[list[np.ndarray], Any]:
-        """A healed island's share: zeros (it weighs 0), its aggregate state untouched."""
+    def _nothing(self, f: int | None, opt_state: Any) -> list[np.ndarray]:
+        """A healed island's share: zeros (it weighs 0)."""
         if f is None:
-            return [], None
-        zeros = [np.zeros(x.shape, x.dtype) for x in _fragment_leaves(opt_state, f, self.exchange)]
-        return zeros, opt_state.aggregate_states[f]
+            return []
+        return [np.zeros(x.shape, x.dtype) for x in _fragment_leaves(opt_state, f, self.exchange)]
 
     # --------------------------------------------------------------- healing
     def _save(self) -> Any:
         """The healing state a lagging peer takes: this island's state at the start of the round."""
         params, opt_state = self._snapshot
         return {
-            "params": [np.asarray(x) for x in jax.device_get(jax.tree.leaves(params))],
-            "opt_state": [np.asarray(x) for x in jax.device_get(jax.tree.leaves(opt_state))],
+            "params": [_host(x) for x in jax.tree.leaves(params)],
+            "opt_state": [_host(x) for x in jax.tree.leaves(opt_state)],
         }
 
     def _load(self, payload: Any) -> None:
         self._healing = payload
 
-    def _adopt(self, params: Any, opt_state: Any) -> tuple[Any, Any]:
-        """The healing state received in the quorum, placed like this island's; its residuals zeroed."""
+    def _adopt(self, opt_state: Any) -> tuple[Any, Any]:
+        """The healing state received in the quorum, as host trees shaped like this island's; the
+        per-worker leaves of its aggregate states (residuals: owed by the source, not by us) zeroed."""
         payload, self._healing = self._healing, None
         if payload is None:
             raise IslandsError(f"island {self.island_id}: the transport said it healed but sent no state.")
-        new_params = _placed_like(params, payload["params"])
-        new_state = _placed_like(opt_state, payload["opt_state"])
-        self._steps_since_sync = 0
+        params, state = self._snapshot
+        new_params = _host_like(params, payload["params"])
+        new_state = _host_like(state, payload["opt_state"])
         mask = self._mask(params).aggregate_states
-        agg = jax.tree.map(
-            lambda x, m: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding) if m else x,
-            new_state.aggregate_states,
-            mask,
-        )
+        agg = jax.tree.map(lambda x, m: np.zeros_like(x) if m else x, new_state.aggregate_states, mask)
         return new_params, new_state._replace(aggregate_states=agg)
+
+    def _share(self, o: _Outcome | None, params: Any, opt_state: Any) -> _Outcome:
+        """The round's outcome on every process of the island (its first process ran the round)."""
+        if jax.process_count() == 1:
+            assert o is not None
+            return o
+        return _broadcast_outcome(o, params, opt_state, self.exchange, self.num_slots)
 
     # --------------------------------------------------------------- landing
     def _land(self, o: _Outcome, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """Writes a committed round into the state (after taking the healing state, if it healed)."""
         if o.healed is not None:
-            params, opt_state = o.healed
-            self._t = None
+            params, opt_state = (
+                _placed_like(t, jax.tree.leaves(h)) for t, h in zip((params, opt_state), o.healed)
+            )
+            self._t, self._own_agg, self._steps_since_sync = None, None, 0
         f = o.fragment
         if f < 0:  # a join round: nothing to land
             self._digest = anchor_sha256(opt_state)
             return params, opt_state
         aggs = list(opt_state.aggregate_states)
-        aggs[f] = o.new_agg
+        if o.healed is None:  # the residual this island's own send left (a healed one owes nothing)
+            aggs[f] = self._own_agg
         s = opt_state._replace(aggregate_states=tuple(aggs))
         self._steps_since_sync = 0
         if self.exchange.land is None:  # the applying step reads it
@@ -346,7 +377,7 @@ class Island:
     def _record(self, o: _Outcome, params: Any, opt_state: Any) -> None:
         rec = SyncRecord(
             round=o.round,
-            step=int(np.asarray(jax.device_get(opt_state.count)).reshape(-1)[0]),
+            step=_host_count(opt_state),
             fragment=o.fragment,
             participants=tuple(o.merged.participants),
             weights=tuple(o.merged.weights),
@@ -396,8 +427,6 @@ def _check_step(step: Any) -> None:
             f"(got {n}); split the batch over its other devices with `batch_axes` (and `param_specs`), "
             "as for a sharded model."
         )
-    if jax.process_count() > 1:
-        raise ValueError("an Island runs in one JAX process.")
 
 
 def _as_placed(tree: Any, mask: Any, axis_name: base.AxisName) -> Any:
@@ -460,6 +489,64 @@ def _fragment_leaves(state: Any, f: int, exchange: Any) -> list[Any]:
     """The anchor's leaves of fragment ``f`` (the merged aggregate is placed like them)."""
     leaves = jax.tree.leaves(state.anchor)
     return [leaves[i] for i in exchange.fragments(state.anchor)[f]]
+
+
+def _host_like(template: Any, leaves: list[np.ndarray]) -> Any:
+    """Host ``leaves`` in ``template``'s tree, checked against its shapes."""
+    targets, treedef = jax.tree.flatten(template)
+    if len(leaves) != len(targets) or any(np.shape(a) != t.shape for a, t in zip(leaves, targets)):
+        raise IslandsError(
+            "the healing state does not fit this island's model: "
+            f"{[np.shape(a) for a in leaves][:4]}... against {[t.shape for t in targets][:4]}..."
+        )
+    return jax.tree.unflatten(treedef, [np.asarray(a, t.dtype) for a, t in zip(leaves, targets)])
+
+
+def _check_replicated(tree: Any) -> None:
+    """An island of several processes hands whole leaves to peers: each process must hold them."""
+    if jax.process_count() == 1:
+        return
+    bad = [x.shape for x in jax.tree.leaves(tree) if not x.is_fully_replicated]
+    if bad:
+        raise ValueError(
+            "an island of several processes needs its parameters and optimizer state replicated over "
+            f"its devices (dense data parallelism inside, no model-axis sharding); {len(bad)} leaves are not."
+        )
+
+
+def _broadcast_outcome(
+    o: _Outcome | None, params: Any, opt_state: Any, exchange: Any, num_slots: int
+) -> _Outcome:
+    """``o`` (given on the island's first process) on every process, through the island's own devices."""
+    from jax.experimental import multihost_utils
+
+    meta = np.zeros(6 + 2 * num_slots, np.float32)
+    if o is not None:
+        present = np.zeros(num_slots, np.float32)
+        weights = np.zeros(num_slots, np.float32)
+        present[o.merged.participants] = 1.0
+        weights[o.merged.participants] = o.merged.weights
+        head = [o.fragment, o.healed is not None, o.round, o.redone, o.seconds, 0.0]
+        meta = np.concatenate([np.asarray(head, np.float32), present, weights])
+    meta = np.asarray(multihost_utils.broadcast_one_to_all(meta))
+    f, healed = int(meta[0]), bool(meta[1])
+    templates = (params, opt_state)
+    if healed:
+        host = (
+            o.healed
+            if o is not None
+            else tuple(jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), templates))
+        )
+        host = tuple(multihost_utils.broadcast_one_to_all(host))
+        state_for_shapes = host[1]
+    else:
+        host, state_for_shapes = None, opt_state
+    like = _fragment_leaves(state_for_shapes, f, exchange) if f >= 0 else []
+    delta = o.merged.delta if o is not None else [np.zeros(x.shape, x.dtype) for x in like]
+    delta = [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(delta)] if like else []
+    slots = [int(i) for i in np.flatnonzero(meta[6 : 6 + num_slots] > 0.5)]
+    merged = merge.Merged(delta, slots, [float(meta[6 + num_slots + i]) for i in slots])
+    return _Outcome(f, merged, host, int(meta[2]), int(meta[3]), float(meta[4]))
 
 
 def _placed_like(template: Any, leaves: list[np.ndarray]) -> Any:
