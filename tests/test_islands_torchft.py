@@ -170,3 +170,41 @@ def test_a_lighthouse_restart_is_ridden_through(tmp_path):
     restarted = max(e["time"] for e in cluster.events if e["event"] == "lighthouse-start")
     assert len({r["round"] for r in _rounds(rows) if r["time"] > restarted}) >= 10
     assert any(r.get("done") for r in rows)
+
+
+def test_an_island_of_two_processes(tmp_path):
+    """Island 0 is a jax.distributed job of two processes (dense data parallelism over their two
+    devices), island 1 a single process: their rounds match the in-process run on two workers."""
+    steps = 3 * H
+    cluster = _cluster(
+        tmp_path, extra=["--steps", str(steps), "--min-islands", "2", "--anchors-dir", str(tmp_path)]
+    )
+    cluster.start_lighthouse()
+    coordinator = f"127.0.0.1:{chaos.free_port()}"
+    for k in range(2):  # island 0's two processes
+        extra = ["--num-processes", "2", "--process-id", str(k), "--coordinator", coordinator]
+        cluster.start(0, extra)
+        cluster.procs[10 + k] = cluster.procs.pop(0)
+    cluster.procs[0] = cluster.procs[10]
+    cluster.start(1)
+    hung = cluster.wait(240)
+    rows = cluster.rows()
+    summary = chaos.summarize(rows, hung)
+    assert summary["hangs"] == 0 and summary["divergent_anchors"] == 0 and summary["errors"] == [], summary
+    assert len(_rounds(rows, 0)) == len(_rounds(rows, 1)) == steps // H
+    for r in _rounds(rows):
+        assert r["participants"] == ["0", "1"] and r["weights"] == [1.0, 1.0], r
+    args = example.parse_args(
+        ["--island-id", "0", "--lighthouse", "-", "--steps", str(steps), "--sync-every", str(H)]
+    )
+    setup = example.build(args)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True)
+    p, s = step.init(setup.params)
+    for t in range(steps):
+        p, s, _ = step(
+            p, s, jax.tree.map(lambda *xs: np.concatenate(xs), *[setup.batch_for(i, t) for i in range(2)])
+        )
+    final = np.load(tmp_path / f"island0_round{steps // H}.npz")
+    for k, v in jax.device_get(s.anchor).items():
+        assert np.max(np.abs(final[k] - v)) <= 1e-5 * np.max(np.abs(v)), k

@@ -183,7 +183,9 @@ def stacked(x: Any, n: int, sharding: jax.sharding.NamedSharding) -> jax.Array:
     """
     if is_global(x):
         return jax.device_put(jnp.broadcast_to(x, (n, *np.shape(x))), sharding)
-    row = jnp.asarray(x)[None]
+    # On the host: under a multi-process mesh context (sharded models), jnp would place the row
+    # over every process's devices, and a per-device slice of it could not be put on one device.
+    row = np.asarray(jax.device_get(x))[None]
     shape = (n, *row.shape[1:])
     # Each device gets its own block of the row (all of it unless the spec shards model axes too).
     shards = [
