@@ -206,7 +206,7 @@ def weighted_mean(
         merged = _divide(total[:-1], total[-1])
         out = base.split_flat(merged, leaves, treedef)
         out = jax.tree.map(lambda m, x: m.astype(x.dtype), out, updates)
-        return out, WeightedMeanState(rounds=optax.safe_increment(state.rounds))
+        return out, WeightedMeanState(rounds=jnp.asarray(optax.safe_increment(state.rounds)))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

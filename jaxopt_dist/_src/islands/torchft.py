@@ -16,6 +16,7 @@ place.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import socket
 import time
 from collections.abc import Callable
@@ -55,10 +56,10 @@ class TorchftTransport(Transport):
     _healed: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def bind(self, island_id: int, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        import torch
-        import torch.distributed as dist
-        from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
+        torch = _optional("torch")
+        dist = _optional("torch.distributed")
+        Manager = _optional("torchft.manager").Manager
+        ProcessGroupGloo = _optional("torchft.process_group").ProcessGroupGloo
 
         torch.set_num_threads(1)
         self._store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
@@ -106,11 +107,9 @@ class TorchftTransport(Transport):
         return self._healed
 
     def allreduce(self, buf: np.ndarray) -> np.ndarray:
-        import torch
-        from torch.distributed import ReduceOp
-
+        torch = _optional("torch")
         tensor = torch.from_numpy(buf)
-        self._manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        self._manager.allreduce(tensor, reduce_op=_optional("torch.distributed").ReduceOp.SUM).wait()
         if self._manager.errored():
             raise ExchangeError(f"the all-reduce failed: {self._manager.errored()}")
         return buf
@@ -141,12 +140,20 @@ def start_lighthouse(
     quorum_tick_ms: int = 100,
 ) -> Any:
     """torchft's lighthouse in this process: a ``LighthouseServer`` (``.address()``, ``.shutdown()``)."""
-    from torchft.coordination import LighthouseServer
-
-    return LighthouseServer(
+    return _optional("torchft.coordination").LighthouseServer(
         bind=bind,
         min_replicas=min_islands,
         join_timeout_ms=join_timeout_ms,
         quorum_tick_ms=quorum_tick_ms,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
+
+
+def _optional(module: str) -> Any:
+    """An optional dependency (torch, torchft), imported when an island first needs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"the islands' torchft transport needs torch and torchft: pip install 'jaxopt_dist[islands]' ({e})"
+        ) from e
