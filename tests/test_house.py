@@ -77,13 +77,13 @@ def _imports(path: pathlib.Path) -> list[tuple[str, str | None, str, int]]:
 
 
 def _floor(module: str) -> int:
-    """0 ground, 1 transforms, 2 tools (training, accounting), 3 public faces."""
+    """0 ground, 1 transforms, 2 tools (training, accounting, islands), 3 public faces."""
     parts = module.split(".")
     if parts[0] != "_src":
         return 3
     if len(parts) == 1:
         return 3  # the _src package itself (empty)
-    if parts[1] in ("training", "accounting"):
+    if parts[1] in ("training", "accounting", "islands"):
         return 2
     return 0 if parts[1] in GROUND else 1
 

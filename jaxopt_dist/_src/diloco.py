@@ -50,7 +50,12 @@ class DiLoCoState(NamedTuple):
         exchange, or the applying step itself, has run); replicated.
       outbox: one list per fragment with ``overlap`` or ``eager`` (else
         ``()``): the worker's own pseudo-gradient as last sent; per-worker.
+
+    ``GLOBAL_MODEL`` (a class attribute, not a field) names the field that
+    holds the global model, replicated: what the Flax front ends evaluate.
     """
+
+    GLOBAL_MODEL = "anchor"
 
     count: jax.Array  # int32[], replicated
     anchor: optax.Params  # like params, replicated

@@ -55,7 +55,6 @@ from flax import nnx
 from flax.nnx import spmd
 
 from jaxopt_dist._src import base, comm
-from jaxopt_dist._src.diloco import DiLoCoState
 from jaxopt_dist._src.training import layout, model_axes, replicas, runner
 from jaxopt_dist._src.training.elastic import reshard_opt_state, reshard_params
 
@@ -233,8 +232,8 @@ class DataParallel(runner.RunsSteps):
         the Optimizers' states (:class:`jaxopt_dist.DiLoCoState`) keep for it."""
         out: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
 
-        def is_diloco(x: Any) -> bool:
-            return isinstance(x, DiLoCoState)
+        def is_diloco(x: Any) -> bool:  # a state that declares where its global model is (DiLoCo's)
+            return isinstance(x, tuple) and getattr(type(x), "GLOBAL_MODEL", None) == "anchor"
 
         for path, node in nnx.iter_graph(nodes):
             if not isinstance(node, Optimizer):
