@@ -14,9 +14,12 @@ Start torchft's lighthouse first, then the islands (each in its own shell)::
 
 ``--serve-lighthouse`` runs torchft's ``LighthouseServer`` in this process
 until it is killed; torchft's own console script does the same:
-``torchft_lighthouse --bind [::]:29510 --min_replicas 2 --join_timeout_ms 200
---heartbeat_timeout_ms 2000`` (its default ``--join_timeout_ms`` is 60000:
-every round would wait a minute for a dead island).
+``torchft_lighthouse --bind [::]:29510 --min_replicas 2 --join_timeout_ms 1000
+--heartbeat_timeout_ms 2000``. The islands renew their quorum request every
+0.5 s; with a join timeout above that, a round waits for every live island
+and leaves out one whose heartbeats stopped (after ``--heartbeat_timeout_ms``).
+Below it, an island that asks a little late (it just healed) keeps being left
+out.
 
 ``--log`` gets one JSON line per synchronisation (``island``, ``round``,
 ``step``, ``fragment``, ``participants``, ``weights``, ``healed``,
@@ -32,6 +35,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import Any, NamedTuple
@@ -49,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--join-timeout-ms",
         type=int,
         default=1000,
-        help="lighthouse: wait for live islands that have not asked (longer than a heal)",
+        help="lighthouse: wait for live islands that have not asked (above the islands' 0.5 s requery)",
     )
     p.add_argument(
         "--heartbeat-timeout-ms", type=int, default=2000, help="lighthouse: silence before exclusion"
@@ -70,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=2.0, help="seconds an all-reduce or heal may take")
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds to wait for a quorum")
     p.add_argument("--quorum-retries", type=int, default=3, help="retries of a failed quorum request")
+    p.add_argument(
+        "--num-processes", type=int, default=1, help="processes of this island (its own jax.distributed job)"
+    )
+    p.add_argument("--process-id", type=int, default=0, help="this process's index within the island")
+    p.add_argument(
+        "--coordinator", default=None, help="HOST:PORT of the island's jax.distributed coordinator"
+    )
     p.add_argument("--log", default=None, help="append one JSON line per synchronisation here")
     p.add_argument("--anchors-dir", default=None, help="save the anchor after each round here (round<R>.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per inner step")
@@ -79,7 +90,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="fault injection: SIGKILL this island as it enters the all-reduce of this round",
     )
+    p.add_argument(
+        "--die-in-exchange-after",
+        type=int,
+        default=None,
+        metavar="K",
+        help="fault injection: SIGKILL this island as it enters the all-reduce of the K-th round after "
+        "the first one this process takes part in (its join or heal), or of the first round it reaches later",
+    )
+    p.add_argument(
+        "--stop-in-exchange-after",
+        type=int,
+        default=None,
+        metavar="K",
+        help="fault injection: as --die-in-exchange-after, but SIGSTOP this island there for "
+        "--stop-seconds (a helper process sends SIGCONT), once",
+    )
+    p.add_argument("--stop-seconds", type=float, default=4.0, help="how long --stop-in-exchange-after stops")
+    p.add_argument(
+        "--timings",
+        action="store_true",
+        help="time each inner step (blocked on, plus --step-sleep) and add compute_seconds, "
+        "wall_seconds and logging_seconds (the per-round log's own time; all after init) to the final line",
+    )
     args = p.parse_args(argv)
+    if args.num_processes > 1 and (args.coordinator is None or not 0 <= args.process_id < args.num_processes):
+        p.error(
+            "an island of several processes needs --coordinator HOST:PORT and 0 <= --process-id < --num-processes"
+        )
     if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
         p.error("give --serve-lighthouse HOST:PORT, or --island-id ID and --lighthouse HOST:PORT")
     for name in ("steps", "sync_every", "num_fragments", "batch_size", "hidden", "min_islands"):
@@ -128,8 +166,8 @@ def build(args: argparse.Namespace) -> Setup:
     x_train, y_train, x_val, y_val = x[:1500], y[:1500], x[1500:], y[1500:]
 
     def loss_fn(p, b):
-        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
-        logits = h @ p["w2"] + p["b2"]
+        h = jnp.tanh(b["x"] @ p["w1"] + p["b1"][None])
+        logits = h @ p["w2"] + p["b2"][None]
         return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
 
     k1, k2 = jax.random.split(jax.random.key(args.seed))
@@ -151,23 +189,65 @@ def build(args: argparse.Namespace) -> Setup:
         num_fragments=args.num_fragments,
         sync_delay=args.sync_delay,
     )
-    return Setup(loss_fn, params, tx, batch_for, lambda p: float(val(p)))
+    # addressable_data(0): this process's copy (an island of several processes holds replicated arrays)
+    return Setup(loss_fn, params, tx, batch_for, lambda p: float(np.asarray(val(p).addressable_data(0))))
 
 
 class DyingTransport:
     """A transport whose process SIGKILLs itself as it enters the all-reduce of one round (after its
-    quorum: the others are in, or entering, the same all-reduce)."""
+    quorum: the others are in, or entering, the same all-reduce): round ``round_``, or the first it
+    reaches ``after`` rounds after its first all-reduce; or SIGSTOPs itself there (``stop_after``
+    rounds after its first) for ``stop_seconds``, once. ``on_fault(kind, round)`` is called just before."""
 
-    def __init__(self, inner: Any, round_: int):
-        self.inner, self.round = inner, round_
+    def __init__(
+        self,
+        inner: Any,
+        round_: int | None,
+        *,
+        after: int | None = None,
+        stop_after: int | None = None,
+        stop_seconds: float = 0.0,
+        on_fault: Any = None,
+    ):
+        self.inner, self.round, self.after = inner, round_, after
+        self.stop_after, self.stop_seconds = stop_after, stop_seconds
+        self.on_fault = on_fault or (lambda kind, round_: None)
+        self.first: int | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def allreduce(self, buf: Any) -> Any:
-        if self.inner.rounds_committed() == self.round:
+        r = self.inner.rounds_committed()
+        self.first = r if self.first is None else self.first
+        if r == self.round or (self.after is not None and r >= self.first + self.after):
+            self.on_fault("exchange-kill", r)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.stop_after is not None and r >= self.first + self.stop_after:
+            self.stop_after = None
+            self.on_fault("exchange-stop", r)
+            wake = f"sleep {self.stop_seconds}; kill -CONT {os.getpid()}"
+            subprocess.Popen(["sh", "-c", wake], start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         return self.inner.allreduce(buf)
+
+
+class TimedStep:
+    """An island's step whose calls are timed (each blocked on until its results are ready)."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.seconds = inner, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, *args: Any) -> Any:
+        import jax
+
+        start = time.perf_counter()
+        out = jax.block_until_ready(self.inner(*args))
+        self.seconds += time.perf_counter() - start
+        return out
 
 
 def run_island(args: argparse.Namespace) -> int:
@@ -177,22 +257,30 @@ def run_island(args: argparse.Namespace) -> int:
     import jaxopt_dist as jd
     from jaxopt_dist import islands
 
+    if args.num_processes > 1:  # one island of several processes: its own jax.distributed job
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     setup = build(args)
-    log_file = open(args.log, "a") if args.log else None  # noqa: SIM115
+    lead = jax.process_index() == 0  # the island's first process talks to the others and logs
+    log_file = open(args.log, "a") if args.log and lead else None  # noqa: SIM115
 
     def log(**record: Any) -> None:
         line = json.dumps({"island": str(args.island_id), **record, "time": time.time()})
         if log_file is not None:
             log_file.write(line + "\n")
             log_file.flush()
-        print(line, flush=True)
+        if lead:
+            print(line, flush=True)
+
+    logging_seconds = [0.0]  # --timings: time spent here (the example's own per-round evaluation and log)
 
     def on_sync(rec: Any, params: Any, opt_state: Any) -> None:
+        started = time.perf_counter()
         anchor = jax.tree.map(lambda a: a, opt_state.anchor)
         if args.anchors_dir:
             os.makedirs(args.anchors_dir, exist_ok=True)
             path = os.path.join(args.anchors_dir, f"island{args.island_id}_round{rec.round}.npz")
-            np.savez(path, step=rec.step, **jax.device_get(anchor))
+            np.savez(path, step=rec.step, **{k: np.asarray(v.addressable_data(0)) for k, v in anchor.items()})
         log(
             round=rec.round,
             step=rec.step,
@@ -205,9 +293,14 @@ def run_island(args: argparse.Namespace) -> int:
             anchor_sha256=rec.anchor_sha256,
             val_loss=setup.val_loss(anchor),
         )
+        logging_seconds[0] += time.perf_counter() - started
 
-    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True)
+    if jax.process_count() > 1:  # dense data parallelism over the island's devices, one DiLoCo worker
+        mesh = jax.make_mesh((1, jax.device_count()), ("data", "replica"))
+        inside = dict(param_specs=jax.P(), batch_axes="replica")
+    else:
+        mesh, inside = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]), {}
+    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True, **inside)
     transport = islands.torchft_transport(
         args.lighthouse,
         min_islands=args.min_islands,
@@ -215,23 +308,49 @@ def run_island(args: argparse.Namespace) -> int:
         quorum_timeout=args.quorum_timeout,
         quorum_retries=args.quorum_retries,
     )
-    if args.die_in_exchange_at is not None:
-        transport = DyingTransport(transport, args.die_in_exchange_at)
+    faults = (args.die_in_exchange_at, args.die_in_exchange_after, args.stop_in_exchange_after)
+    if any(f is not None for f in faults):
+        transport = DyingTransport(
+            transport,
+            args.die_in_exchange_at,
+            after=args.die_in_exchange_after,
+            stop_after=args.stop_in_exchange_after,
+            stop_seconds=args.stop_seconds,
+            on_fault=lambda kind, round_: log(fault=kind, fault_round=round_),
+        )
     island = islands.island(step, transport, island_id=args.island_id, rule="mean", on_sync=on_sync)
+    if args.timings:
+        island.step = TimedStep(island.step)
+    timings: dict[str, Any] = {}
     try:
-        params, opt_state = island.init(setup.params, warmup_batch=setup.batch_for(args.island_id, 0))
+        params, opt_state = island.init(
+            jax.tree.map(np.asarray, setup.params), warmup_batch=setup.batch_for(args.island_id, 0)
+        )
         t = island.step_count(opt_state)
+        start, slept, taken = time.perf_counter(), 0.0, 0
+        if args.timings:
+            island.step.seconds = 0.0  # the warm-up's compile is not an inner step
         while t < args.steps:
             batch = setup.batch_for(args.island_id, t)
             params, opt_state, _ = island(params, opt_state, batch)
+            taken += 1
             if args.step_sleep:
+                nap = time.perf_counter()
                 time.sleep(args.step_sleep)
+                slept += time.perf_counter() - nap
             t = island.step_count(opt_state)
+        if args.timings:
+            timings = {
+                "compute_seconds": island.step.seconds + slept,
+                "wall_seconds": time.perf_counter() - start,
+                "steps_timed": taken,
+                "logging_seconds": logging_seconds[0],
+            }
         island.finish()
     except islands.IslandsError as e:
         log(error=str(e))
         return EXIT_NO_QUORUM
-    log(done=True, val_loss=setup.val_loss(opt_state.anchor), steps=t)
+    log(done=True, val_loss=setup.val_loss(opt_state.anchor), steps=t, **timings)
     return 0
 
 

@@ -38,7 +38,7 @@ def torchft_transport(lighthouse: str, **options: Any) -> Transport:
 
     Args:
       lighthouse: ``HOST:PORT`` of torchft's lighthouse (``torchft_lighthouse
-        --min_replicas 2 --join_timeout_ms 200 --heartbeat_timeout_ms 2000``,
+        --min_replicas 2 --join_timeout_ms 1000 --heartbeat_timeout_ms 2000``,
         or :func:`start_lighthouse`).
       **options: ``min_islands`` (fewest islands in a round, default 2),
         ``timeout`` (seconds an all-reduce, commit vote or heal may take,
@@ -61,9 +61,12 @@ def start_lighthouse(bind: str = "[::]:0", **options: Any) -> Any:
 
     Args:
       bind: the address to listen on (``"[::]:0"``: any free port).
-      **options: ``min_islands`` (2), ``join_timeout_ms`` (200: how long a
-        quorum waits for live islands that have not asked), ``heartbeat_timeout_ms``
-        (2000: silence after which an island is left out), ``quorum_tick_ms`` (100).
+      **options: ``min_islands`` (2), ``join_timeout_ms`` (1000: how long a
+        quorum waits for live islands that have not asked; keep it above the
+        transport's ``requery``, 0.5 s, so that the lighthouse waits for every
+        live island and leaves out only those whose heartbeats stopped),
+        ``heartbeat_timeout_ms`` (2000: silence after which an island is left
+        out), ``quorum_tick_ms`` (100).
     """
     from jaxopt_dist._src.islands.torchft import start_lighthouse as start
 

@@ -135,7 +135,7 @@ def start_lighthouse(
     bind: str = "[::]:0",
     *,
     min_islands: int = 2,
-    join_timeout_ms: int = 200,
+    join_timeout_ms: int = 1000,
     heartbeat_timeout_ms: int = 2000,
     quorum_tick_ms: int = 100,
 ) -> Any:
