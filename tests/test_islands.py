@@ -348,3 +348,14 @@ def test_an_island_over_two_devices_is_the_one_device_island():
         _run_threads([(run, (i, hub, two), {}) for i in range(2)])
     _assert_close_to(out[(0, True)], out[(0, False)])
     helpers.assert_trees_equal(out[(0, True)], out[(1, True)])
+
+
+def test_an_island_with_fsdp_sharded_parameters_is_rejected_clearly():
+    mesh = jax.make_mesh((1, 2), ("data", "fsdp"), devices=jax.devices()[:2])
+    specs = {"w1": jax.P(None, "fsdp"), "w2": jax.P("fsdp", None)}
+    step = jd.data_parallel_step(
+        _loss, jd.diloco(optax.sgd(0.1), sync_every=H), mesh=mesh, per_worker_params=True, param_specs=specs
+    )
+    isl = islands.island(step, islands.LocalHub(min_islands=1).transport(), island_id=0)
+    with pytest.raises(ValueError, match=r"sharded over \['fsdp'\].*not supported yet"):
+        isl.init(_params())

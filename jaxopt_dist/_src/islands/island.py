@@ -144,6 +144,7 @@ class Island:
         out for being slow).
         """
         params, opt_state = self.step.init(params)
+        _check_unsharded(params, self.step.axis_name)
         _check_replicated((params, opt_state))
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
@@ -500,6 +501,20 @@ def _host_like(template: Any, leaves: list[np.ndarray]) -> Any:
             f"{[np.shape(a) for a in leaves][:4]}... against {[t.shape for t in targets][:4]}..."
         )
     return jax.tree.unflatten(treedef, [np.asarray(a, t.dtype) for a, t in zip(leaves, targets)])
+
+
+def _check_unsharded(params: Any, axis_name: base.AxisName) -> None:
+    """Parameters sharded over an island's model axes are not supported (yet): say so at ``init``."""
+    data = set(base.axis_names(axis_name))
+    for x in jax.tree.leaves(params):
+        spec = getattr(x.sharding, "spec", ())
+        named = {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
+        if named - data:
+            raise ValueError(
+                f"an island's parameters must be replicated over its devices (got a leaf sharded over "
+                f"{sorted(named - data)}): use param_specs=jax.P() with batch_axes; model-axis sharding "
+                "(FSDP) inside an island is not supported yet."
+            )
 
 
 def _check_replicated(tree: Any) -> None:
