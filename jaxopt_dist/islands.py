@@ -15,7 +15,6 @@ from typing import Any
 
 from jaxopt_dist._src.islands.island import Island, SyncRecord, anchor_sha256
 from jaxopt_dist._src.islands.merge import (
-    RULES,
     Merged,
     WeightedMeanState,
     island_weight,
@@ -125,7 +124,6 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
 
 
 __all__ = (
-    "RULES",
     "ExchangeError",
     "Island",
     "IslandKilled",

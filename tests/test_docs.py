@@ -35,6 +35,7 @@ PUBLIC_MODULES = {
     "jaxopt_dist": helpers.ROOT / "jaxopt_dist" / "__init__.py",
     "jaxopt_dist.nnx": helpers.ROOT / "jaxopt_dist" / "nnx.py",
     "jaxopt_dist.linen": helpers.ROOT / "jaxopt_dist" / "linen.py",
+    "jaxopt_dist.islands": helpers.ROOT / "jaxopt_dist" / "islands.py",
 }
 # The pages the browser opens: the landing page, a guide, an API page.
 PAGES = ("index.html", "guides/choosing.html", "api/generated/jaxopt_dist.diloco.html")
