@@ -62,6 +62,24 @@ def _event_time(cluster, name, island):
     return next(e["time"] for e in cluster.events if e["event"] == name and e.get("island") == island)
 
 
+def _reference_anchors(n, steps):
+    """The in-process diloco of examples/islands.py on ``n`` workers: the anchor after every step."""
+    args = example.parse_args(
+        ["--island-id", "0", "--lighthouse", "-", "--steps", str(steps), "--sync-every", str(H)]
+    )
+    setup = example.build(args)
+    mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True)
+    p, s = step.init(setup.params)
+    out = []
+    for t in range(steps):
+        p, s, _ = step(
+            p, s, jax.tree.map(lambda *xs: np.concatenate(xs), *[setup.batch_for(i, t) for i in range(n)])
+        )
+        out.append(jax.device_get(s.anchor))
+    return out
+
+
 def test_fault_free_islands_match_in_process_diloco(tmp_path):
     """Three islands over torchft: every round's anchor is the in-process diloco's on three workers."""
     steps = 4 * H
@@ -72,18 +90,7 @@ def test_fault_free_islands_match_in_process_diloco(tmp_path):
     hung = chaos.run_faults(cluster, [], timeout=240)
     rows = cluster.rows()
     assert not hung and chaos.summarize(rows, hung)["errors"] == []
-    args = example.parse_args(
-        ["--island-id", "0", "--lighthouse", "-", "--steps", str(steps), "--sync-every", str(H)]
-    )
-    setup = example.build(args)
-    mesh = jax.make_mesh((3,), ("data",), devices=jax.devices()[:3])
-    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True)
-    p, s = step.init(setup.params)
-    ref = []
-    for t in range(steps):
-        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *[setup.batch_for(i, t) for i in range(3)])
-        p, s, _ = step(p, s, batch)
-        ref.append(jax.device_get(s.anchor))
+    ref = _reference_anchors(3, steps)
     for r in _rounds(rows):
         assert r["participants"] == ["0", "1", "2"] and r["weights"] == [1.0, 1.0, 1.0], r
     assert len({r["anchor_sha256"] for r in _rounds(rows) if r["round"] == 4}) == 1
@@ -194,17 +201,7 @@ def test_an_island_of_two_processes(tmp_path):
     assert len(_rounds(rows, 0)) == len(_rounds(rows, 1)) == steps // H
     for r in _rounds(rows):
         assert r["participants"] == ["0", "1"] and r["weights"] == [1.0, 1.0], r
-    args = example.parse_args(
-        ["--island-id", "0", "--lighthouse", "-", "--steps", str(steps), "--sync-every", str(H)]
-    )
-    setup = example.build(args)
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-    step = jd.data_parallel_step(setup.loss_fn, setup.tx, mesh=mesh, per_worker_params=True)
-    p, s = step.init(setup.params)
-    for t in range(steps):
-        p, s, _ = step(
-            p, s, jax.tree.map(lambda *xs: np.concatenate(xs), *[setup.batch_for(i, t) for i in range(2)])
-        )
+    anchors = _reference_anchors(2, steps)[-1]
     final = np.load(tmp_path / f"island0_round{steps // H}.npz")
-    for k, v in jax.device_get(s.anchor).items():
+    for k, v in anchors.items():
         assert np.max(np.abs(final[k] - v)) <= 1e-5 * np.max(np.abs(v)), k

@@ -567,10 +567,5 @@ def _broadcast_outcome(
 def _placed_like(template: Any, leaves: list[np.ndarray]) -> Any:
     """Host ``leaves`` placed like ``template``'s arrays (same tree order, shapes and dtypes)."""
     targets, treedef = jax.tree.flatten(template)
-    if len(leaves) != len(targets) or any(np.shape(a) != t.shape for a, t in zip(leaves, targets)):
-        raise IslandsError(
-            "the healing state does not fit this island's model: "
-            f"{[np.shape(a) for a in leaves][:4]}... against {[t.shape for t in targets][:4]}..."
-        )
-    placed = [jax.device_put(np.asarray(a, t.dtype), t.sharding) for a, t in zip(leaves, targets)]
-    return jax.tree.unflatten(treedef, placed)
+    host = jax.tree.leaves(_host_like(template, leaves))
+    return jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in zip(host, targets)])
