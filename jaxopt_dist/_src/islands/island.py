@@ -152,8 +152,7 @@ class Island:
         self._digest = anchor_sha256(opt_state)
         if self._lead:
             self.transport.bind(self.island_id, self._save, self._load)
-        outcome = self._run_round(None, [], opt_state, self._digest) if self._lead else None
-        params, opt_state = self._land(self._share(outcome, params, opt_state), params, opt_state)
+        params, opt_state = self._land(self._round_now(None, [], params, opt_state), params, opt_state)
         return params, self._remember(opt_state)
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, dict[str, Any]]:
@@ -215,14 +214,18 @@ class Island:
         self._snapshot = (params, opt_state)
         own = self._contribution(f, params, opt_state)
         if self.exchange.land is not None:
-            outcome = self._run_round(f, own, opt_state, self._digest) if self._lead else None
-            return self._land(self._share(outcome, params, opt_state), params, opt_state)
-        self._flight = concurrent.futures.Future()
+            return self._land(self._round_now(f, own, params, opt_state), params, opt_state)
         if self._lead:
             self._flight = self._pool.submit(self._run_round, f, own, opt_state, self._digest)
-        else:
-            self._flight.set_result(None)  # the island's first process runs the round
+        else:  # the island's first process runs the round; the others learn it from _share
+            self._flight = concurrent.futures.Future()
+            self._flight.set_result(None)
         return params, opt_state
+
+    def _round_now(self, f: int | None, own: list[np.ndarray], params: Any, opt_state: Any) -> _Outcome:
+        """A round run here and now (by the island's first process), its outcome on every process."""
+        outcome = self._run_round(f, own, opt_state, self._digest) if self._lead else None
+        return self._share(outcome, params, opt_state)
 
     def _run_round(self, f: int | None, own: list[np.ndarray], opt_state: Any, digest: str) -> _Outcome:
         """Quorum, all-reduce and commit, run again among survivors until it commits (within the bound).
@@ -273,13 +276,10 @@ class Island:
         return merged
 
     def _weight(self, f: int | None, healed: bool) -> float:
-        if (
-            f is None or healed
-        ):  # the join round carries no pseudo-gradient; a healed island repeats its source
+        if f is None:  # the join round carries no pseudo-gradient
             return 0.0
-        return merge.island_weight(
-            self.rule, healed=False, tokens=self._steps_since_sync * self.tokens_per_step
-        )
+        tokens = self._steps_since_sync * self.tokens_per_step
+        return merge.island_weight(self.rule, healed=healed, tokens=tokens)
 
     def _fragment_of(self, opt_state: Any) -> int | None:
         """The fragment a state (just after a send) waits to exchange; None for one that never stepped."""
@@ -345,8 +345,9 @@ class Island:
     def _land(self, o: _Outcome, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """Writes a committed round into the state (after taking the healing state, if it healed)."""
         if o.healed is not None:
-            params, opt_state = (
-                _placed_like(t, jax.tree.leaves(h)) for t, h in zip((params, opt_state), o.healed)
+            # The healing trees were checked against this island's shapes when they arrived (_adopt).
+            params, opt_state = jax.tree.map(
+                lambda h, t: jax.device_put(h, t.sharding), o.healed, (params, opt_state)
             )
             self._t, self._own_agg, self._steps_since_sync = None, None, 0
         f = o.fragment
@@ -562,10 +563,3 @@ def _broadcast_outcome(
     slots = [int(i) for i in np.flatnonzero(meta[6 : 6 + num_slots] > 0.5)]
     merged = merge.Merged(delta, slots, [float(meta[6 + num_slots + i]) for i in slots])
     return _Outcome(f, merged, host, int(meta[2]), int(meta[3]), float(meta[4]))
-
-
-def _placed_like(template: Any, leaves: list[np.ndarray]) -> Any:
-    """Host ``leaves`` placed like ``template``'s arrays (same tree order, shapes and dtypes)."""
-    targets, treedef = jax.tree.flatten(template)
-    host = jax.tree.leaves(_host_like(template, leaves))
-    return jax.tree.unflatten(treedef, [jax.device_put(a, t.sharding) for a, t in zip(host, targets)])
