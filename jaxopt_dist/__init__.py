@@ -26,10 +26,13 @@ from jaxopt_dist._src.decoupled_momentum import DecoupledMomentumState, decouple
 from jaxopt_dist._src.desloc import DesLocAdamState, desloc_adam
 from jaxopt_dist._src.diloco import DiLoCoState, DiLoCoTransformation, OuterExchange, diloco, diloco_fragments
 from jaxopt_dist._src.dimreduce import DimReduceInfo, DimReduceState, dim_reduce, fit_subspace, flatten_params
+from jaxopt_dist._src.dion import DionState, dion, dion_leaves, scale_by_dion
+from jaxopt_dist._src.dion2 import Dion2State, dion2
 from jaxopt_dist._src.error_feedback import Codec, Compressor, ErrorFeedbackState, error_feedback
 from jaxopt_dist._src.gossip import GossipState, gossip, mixing_matrix, spectral_gap
 from jaxopt_dist._src.hierarchical import HierarchicalState, hierarchical
 from jaxopt_dist._src.lowbit import float_grid, low_bit
+from jaxopt_dist._src.muon import ScaleByMuonState, muon, scale_by_muon
 from jaxopt_dist._src.noloco import NoLoCoState, noloco, noloco_groups
 from jaxopt_dist._src.onebit_adam import OnebitAdamState, onebit_adam
 from jaxopt_dist._src.optimizers import (
@@ -109,6 +112,8 @@ __all__ = (
     "DesLocAdamState",
     "DimReduceInfo",
     "DimReduceState",
+    "DionState",
+    "Dion2State",
     "DynamicLossScaleState",
     "ErrorFeedbackState",
     "GossipState",
@@ -116,6 +121,7 @@ __all__ = (
     "IterateAverageState",
     "MasterWeightsState",
     "NoLoCoState",
+    "ScaleByMuonState",
     "OnebitAdamState",
     "Placement",
     "Platform",
@@ -151,6 +157,9 @@ __all__ = (
     "diloco",
     "diloco_fragments",
     "dim_reduce",
+    "dion",
+    "dion_leaves",
+    "dion2",
     "dynamic_loss_scale",
     "error_feedback",
     "fit_subspace",
@@ -166,6 +175,7 @@ __all__ = (
     "master_weights",
     "mean_value",
     "mixing_matrix",
+    "muon",
     "noloco",
     "noloco_groups",
     "onebit_adam",
@@ -181,7 +191,9 @@ __all__ = (
     "reshard_opt_state",
     "reshard_params",
     "rmsprop",
+    "scale_by_dion",
     "scale_by_momentum",
+    "scale_by_muon",
     "scaled_sign",
     "sgd",
     "sign_majority_vote",

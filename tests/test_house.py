@@ -36,7 +36,7 @@ GROUND = {"base", "compat", "comm"}
 # Modules other transforms may build on: the compressor machinery, selection and
 # topology helpers, and DiLoCo's outer loop (SparseLoCo and MuLoCo are DiLoCo with
 # another outer step and aggregate: composed, not copied).
-SHARED_TRANSFORM_PIECES = {"error_feedback", "selection", "topology", "diloco"}
+SHARED_TRANSFORM_PIECES = {"error_feedback", "selection", "topology", "diloco", "orthonormal"}
 MAX_TOOL_FUNCTION_LINES = 80
 
 

@@ -89,8 +89,11 @@ def test_weighted_mean_of_ones_is_diloco_mean():
     merged = jd.diloco(optax.sgd(0.1), sync_every=2, aggregate=islands.weighted_mean())
     a = helpers.run_steps(plain, grads, params, backend="vmap", per_worker_params=True)
     b = helpers.run_steps(merged, grads, params, backend="vmap", per_worker_params=True)
-    helpers.assert_trees_equal(a[:2], b[:2])  # every step's updates and the parameters, bit for bit
-    helpers.assert_trees_equal(a[2].anchor, b[2].anchor)
+    # Equal to rounding: psum over the packed [w d, w] buffer may add the workers in another
+    # order than psum over the leaf alone (seen on JAX 0.10's CPU reduction: one ulp).
+    helpers.assert_trees_close(a[:2], b[:2], rtol=1e-6, atol=1e-7)
+    helpers.assert_trees_close(a[2].anchor, b[2].anchor, rtol=1e-6, atol=1e-7)
+    helpers.assert_replicas_equal(b[2].anchor)
 
 
 # ----------------------------------------------------------------- the islands

@@ -880,3 +880,24 @@ def float_updates(tx: Any, caller: str) -> Any:
         return treedef.unflatten(restored), new_state
 
     return tx._replace(update=update_fn)
+
+
+# ----------------------------------------------------------------------------
+# Reduce-scatter (row j of the sum goes to worker j).
+
+
+def reduce_scatter(x: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:
+    """Sums ``x`` over the workers and gives worker ``j`` row ``j`` of the sum.
+
+    ``x`` has a leading axis of length ``n`` (the number of workers); the
+    result drops it: ``out = sum_i x_i[j]`` on worker ``j``. It is half of a
+    ring all-reduce: each worker sends and receives ``(n - 1) / n`` of its
+    bytes. The output is per-worker (varying under shard_map); an
+    :func:`all_gather` of it completes the all-reduce.
+    """
+    n = axis_size(axis_name, caller=caller)
+    if x.ndim < 1 or x.shape[0] != n:
+        raise ValueError(
+            f"reduce_scatter needs a leading axis of length {n} (one row per worker); got {x.shape}."
+        )
+    return jax.lax.psum_scatter(to_varying(x, axis_name), axis_name, scatter_dimension=0, tiled=False)

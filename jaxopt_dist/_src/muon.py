@@ -1,0 +1,370 @@
+"""Distributed Muon: ``optax.contrib.muon`` on the mean gradient, its work split over the workers.
+
+Muon (Jordan 2024) orthogonalises the momentum of each matrix parameter by
+Newton-Schulz. Run data-parallel as usual, every worker would average the
+gradients (an all-reduce), keep the whole momentum and orthogonalise every
+matrix: the same work ``W`` times over. Here (as in the Dion reference's
+distributed Muon) matrices of the same shape are stacked, the stack is split
+into ``W`` equal shares (zero-padded), and each worker owns one share:
+
+1. one **reduce-scatter** sums the gradients, each worker receiving only the
+   sum of its own share (and a ``1 / W`` chunk of the non-matrix leaves);
+2. the owner updates the momentum of its share (it keeps no other) and
+   orthogonalises it;
+3. one **all-gather** returns the orthogonalised matrices (and the mean of
+   the non-matrix leaves) to every worker.
+
+A reduce-scatter plus an all-gather is how a ring all-reduce moves its bytes,
+so the step costs the bytes of the all-reduce it replaces, while the momentum
+memory and the Newton-Schulz work per worker fall by ``W``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxopt_dist._src import base, comm
+from jaxopt_dist._src import orthonormal as ortho
+
+
+def _shape_scale(fan_in: int, fan_out: int, consistent_rms: Any) -> Any:
+    """``optax.contrib.muon``'s width scaling of an update."""
+    if consistent_rms is not None:
+        return jnp.sqrt(jnp.maximum(fan_in, fan_out)) * consistent_rms
+    return jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
+
+
+@base.reshard_rules()
+class ScaleByMuonState(NamedTuple):
+    """State for :func:`jaxopt_dist.scale_by_muon`.
+
+    Matrices are grouped by ``(fan_in, fan_out, dtype)`` in order of first
+    appearance in ``jax.tree.leaves``; group ``g`` holds ``c_g`` matrices,
+    and worker ``j`` owns the slots ``[j s_g, (j + 1) s_g)`` of its stack,
+    ``s_g = ceil(c_g / W)`` (slots past ``c_g`` are zero padding).
+
+    Attributes:
+      count: int32[], steps taken; replicated.
+      mu: per group, ``(s_g, fan_in, fan_out)``: the momentum of the matrices
+        this worker owns, and only those; per-worker. A state of ``W``
+        workers cannot be regrouped for another number of workers
+        (:func:`jaxopt_dist.reshard_opt_state` refuses it: the shards are of
+        different matrices, not copies).
+    """
+
+    count: jax.Array  # int32[], replicated
+    mu: tuple[jax.Array, ...]  # (ceil(c_g / W), fan_in, fan_out) per group, per-worker
+
+
+def scale_by_muon(
+    ns_coeffs: Any = ortho.STANDARD_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    mu_dtype: Any = None,
+    *,
+    num_workers: int | None = None,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    weight_dimension_numbers: Any = None,
+    consistent_rms: float | None = None,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    invariant_updates: str = "sum",
+) -> optax.GradientTransformationExtraArgs:
+    r"""Muon's orthogonalised momentum of the mean gradient, the work split over the workers.
+
+    For each matrix leaf (see ``weight_dimension_numbers``) the output is
+    what ``optax.contrib.scale_by_muon`` followed by its width scaling
+    (``optax.contrib.muon``'s ``scale_by_shape``) gives on the mean gradient
+    :math:`\bar g`:
+
+    .. math::
+      m \leftarrow \beta m + (1 - \beta) \bar g, \quad
+      \hat m = \beta \frac{m}{1 - \beta^{t+1}} + (1 - \beta) \frac{\bar g}{1 - \beta^t}
+      \ (\text{Nesterov; else } m / (1 - \beta^t)), \quad
+      u = s \cdot \mathrm{NS}(\hat m),
+
+    with ``NS`` the Newton-Schulz iteration (:func:`newton_schulz`, in
+    :math:`\hat m`'s dtype), ``s = sqrt(max(1, fan_out / fan_in))`` (or
+    ``sqrt(max(fan_in, fan_out)) * consistent_rms``) and, with
+    ``adaptive=True``, ``NS`` scaled by :math:`\langle \hat m, NS \rangle`
+    over the leaf. Every other leaf comes out as the mean gradient (to feed
+    the Adam branch of :func:`muon`).
+
+    Args:
+      ns_coeffs: Newton-Schulz coefficients: a triple used every step, a
+        table of triples (one row per step), or a preset (``"standard"``,
+        ``"dion"``), as ``optax.contrib.muon``. Python numbers.
+      ns_steps: Newton-Schulz steps (Python int).
+      beta: the momentum decay (a float, as optax's).
+      eps: added to the norm before Newton-Schulz.
+      mu_dtype: the momentum's dtype (None: the parameters').
+      num_workers: ``W``, the size of ``axis_name`` (required: ``init``
+        sizes the per-worker shards); ``update`` checks it.
+      nesterov: Nesterov momentum (optax's default).
+      adaptive: scale by the dual norm (optax's ``adaptive``).
+      preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
+        ``"schatten"``, as optax.
+      weight_dimension_numbers: as ``optax.contrib.muon``'s
+        ``muon_weight_dimension_numbers``: None (2-D leaves are matrices
+        ``(fan_in, fan_out)``), or a tree (prefix) of
+        ``optax.contrib.MuonDimensionNumbers``/None, or a callable giving
+        one from the updates. Batch axes make matrices of their own.
+      consistent_rms: optax's consistent-RMS scaling (None: width scaling).
+      axis_name: the data axis.
+      invariant_updates: what an update typed invariant under
+        ``shard_map(check_vma=True)`` stands for (``"sum"``, ``"mean"``,
+        ``"error"``); the output depends on the mean only.
+
+    Returns:
+      A :class:`optax.GradientTransformationExtraArgs`.
+
+    Communication:
+      With ``W`` workers, per dtype: ONE reduce-scatter of a buffer of
+      ``W x L`` elements, row ``j`` holding the matrices worker ``j`` owns
+      (``sum_g s_g fan_in fan_out``) and a ``1 / W`` chunk of the non-matrix
+      leaves; then ONE all-gather (of all dtypes at once, bitcast) of each
+      worker's ``L`` results (plus ``s_g`` dot products per group with
+      ``adaptive``). Each worker sends ``(W - 1) L w`` bytes in each, the
+      bytes of a ring all-reduce of the (padded) gradients. Outputs are
+      replicated; ``count`` is replicated; ``mu`` is per-worker, ``1 / W``
+      of the momentum (``s_g = ceil(c_g / W)`` matrices per group).
+    """
+    caller = "scale_by_muon"
+    num_workers = ortho.require_num_workers(num_workers, caller)
+    ns_steps = base.check_positive_int(ns_steps, "ns_steps")
+    coeffs = ortho.resolve_ns_coeffs(ns_coeffs, ns_steps, caller=caller)
+    if not base.is_python_number(beta) or not 0.0 <= float(beta) < 1.0:
+        raise ValueError(f"`beta` must be a Python float in [0, 1); got {beta!r}.")
+    base.check_hyperparameter(eps, "eps", lower=0.0)
+    base.check_bool(nesterov, "nesterov")
+    base.check_bool(adaptive, "adaptive")
+    if preconditioning not in ortho.PRECONDITIONINGS:
+        raise ValueError(
+            f"`preconditioning` must be one of {ortho.PRECONDITIONINGS}; got {preconditioning!r}."
+        )
+    if consistent_rms is not None:
+        base.check_hyperparameter(consistent_rms, "consistent_rms", lower=0.0)
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+    axis_name = base.validate_axis_name(axis_name)
+    invariant_updates = comm.check_invariant_mode(invariant_updates)
+    n_cfg = num_workers
+    arg = "weight_dimension_numbers"
+
+    def init_fn(params):
+        plan = ortho.make_plan(params, weight_dimension_numbers, n_cfg, caller=caller, arg=arg)
+        return ScaleByMuonState(
+            count=jnp.zeros([], jnp.int32),
+            mu=ortho.shard_init(plan.groups, lambda g: mu_dtype or g.dtype),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        n = comm.require_axis(axis_name, caller)
+        ortho.check_workers(n_cfg, n, caller)
+        if not jax.tree.leaves(updates):
+            return updates, state
+        owned = ortho.owned_means(
+            updates, weight_dimension_numbers, n, axis_name, invariant_updates, caller, arg
+        )
+        count_inc = optax.safe_increment(state.count)
+        new_mu, outs, dots = [], [], []
+        for grad, mu_old in zip(owned.shares, state.mu):
+            # optax's own momentum maths (scale_by_muon), on this worker's share of the matrices.
+            mu: jax.Array = cast(jax.Array, optax.tree.update_moment(grad, mu_old, beta, 1))
+            if nesterov:
+                ahead = optax.tree.bias_correction(mu, beta, optax.safe_increment(count_inc))
+                now = optax.tree.bias_correction(grad, beta, count_inc)
+                mu_hat = beta * cast(jax.Array, ahead) + (1 - beta) * cast(jax.Array, now)
+            else:
+                mu_hat = cast(jax.Array, optax.tree.bias_correction(mu, beta, count_inc))
+            o = ortho.newton_schulz(mu_hat, coeffs, eps=eps, preconditioning=preconditioning)
+            outs.append(o)
+            if adaptive:
+                dots.append(jnp.sum(mu_hat * o, axis=(1, 2)))
+            mu = mu.astype(mu_dtype) if mu_dtype is not None else mu
+            new_mu.append(mu.astype(mu_old.dtype))
+        gathered, out = ortho.gather_results(owned, outs + dots, axis_name, caller=caller)
+
+        groups = owned.plan.groups
+        for k, g in enumerate(groups):
+            full = gathered[k].reshape(n * g.share, g.fan_in, g.fan_out)
+            if adaptive:
+                d = gathered[len(groups) + k].reshape(n * g.share)
+                offset = 0
+                for _, b in g.members:
+                    # optax sums the dual pairing over the whole leaf (its batch axes too).
+                    total = jnp.sum(d[offset : offset + b])
+                    full = full.at[offset : offset + b].set(total * full[offset : offset + b])
+                    offset += b
+            scale = _shape_scale(g.fan_in, g.fan_out, consistent_rms)
+            for i, x in ortho.unstack_group(full, owned.plan.views, g).items():
+                out[i] = scale * x
+        return jax.tree.unflatten(owned.treedef, out), ScaleByMuonState(count=count_inc, mu=tuple(new_mu))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: Any = ortho.STANDARD_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Any = None,
+    mu_dtype: Any = None,
+    *,
+    num_workers: int | None = None,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps_root: float = 0.0,
+    adam_weight_decay: optax.ScalarOrSchedule = 0.0,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    muon_weight_dimension_numbers: Any = None,
+    consistent_rms: float | None = None,
+    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    invariant_updates: str = "sum",
+) -> optax.GradientTransformationExtraArgs:
+    r"""Distributed Muon: ``optax.contrib.muon`` on the mean gradient, each worker owning ``1 / W``.
+
+    Takes each worker's own gradients and returns the final updates, the
+    numbers of ``optax.contrib.muon`` (same arguments, same defaults) applied
+    to the mean gradient over ``axis_name``, bit-identical on every worker:
+
+    * matrix leaves (2-D by default, or as ``muon_weight_dimension_numbers``
+      says): :func:`scale_by_muon` (momentum, Newton-Schulz, width
+      scaling), then ``+ weight_decay * params`` (with
+      ``weight_decay_mask``) and ``* -learning_rate``;
+    * every other leaf: ``optax.adamw`` on the mean gradient with
+      ``adam_learning_rate`` (default ``learning_rate``), ``adam_b1``,
+      ``adam_b2``, ``eps``, ``adam_eps_root``, ``adam_weight_decay``,
+      ``mu_dtype`` and ``nesterov``, as optax's.
+
+    The matrices of one shape are stacked and split into ``W`` shares; a
+    worker keeps the momentum of its share only and orthogonalises only it
+    (see :func:`scale_by_muon` and the module docstring).
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      ns_coeffs: Newton-Schulz coefficients or a preset (``"standard"``,
+        ``"dion"``).
+      ns_steps: Newton-Schulz steps.
+      beta: momentum decay (a float).
+      eps: Newton-Schulz's normalisation epsilon and Adam's epsilon.
+      weight_decay: decoupled weight decay of the matrices (times the
+        learning rate); needs ``params``.
+      weight_decay_mask: which matrix leaves decay (as optax's).
+      mu_dtype: momentum dtype (Muon's and Adam's).
+      num_workers: ``W``, the size of ``axis_name`` (required: the state
+        keeps ``1 / W`` of the momentum). Under
+        :func:`optax.inject_hyperparams` list ``num_workers``, ``beta`` and
+        ``ns_steps`` in ``static_args``.
+      nesterov: Nesterov momentum (Muon's and Adam's).
+      adaptive: scale by the dual norm (optax's ``adaptive``).
+      preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
+        ``"schatten"``.
+      adam_b1: Adam's first-moment decay for the non-matrix leaves.
+      adam_b2: Adam's second-moment decay.
+      adam_eps_root: Adam's ``eps_root``.
+      adam_weight_decay: AdamW's weight decay.
+      adam_learning_rate: Adam's learning rate (None: ``learning_rate``).
+      muon_weight_dimension_numbers: which leaves are matrices and how they
+        are viewed (see :func:`scale_by_muon`); None marks an Adam leaf.
+      consistent_rms: optax's consistent-RMS scaling (None: width scaling).
+      axis_name: the data axis.
+      invariant_updates: see :func:`scale_by_muon`.
+
+    Returns:
+      A :class:`optax.GradientTransformationExtraArgs`; its state is
+      ``(ScaleByMuonState, optax.PartitionState)``.
+
+    Communication:
+      One reduce-scatter and one all-gather per step (per dtype for the
+      reduce-scatter), the bytes of one all-reduce of the gradients (the
+      matrix stacks padded to a multiple of ``W``); see
+      :func:`scale_by_muon`. The Adam branch runs on the replicated mean
+      gradient without communicating. Outputs are replicated; the Muon
+      momentum (``ScaleByMuonState.mu``) is per-worker, ``1 / W`` of the
+      matrices' momentum per worker; the count and the Adam state are
+      replicated. Newton-Schulz work per worker: ``ceil(c_g / W)`` matrices
+      of each group instead of ``c_g``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> tx = jd.muon(0.02, num_workers=2)
+      >>> grads = {"w": jnp.ones((2, 4, 4)), "b": jnp.ones((2, 4))}  # 2 workers
+      >>> step = lambda g: tx.update(g, tx.init(g), g)[0]
+      >>> out = jax.vmap(step, axis_name="data")(grads)
+      >>> out["w"].shape
+      (2, 4, 4)
+
+    References:
+      Jordan, `Muon: An optimizer for hidden layers in neural networks
+      <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+      Ahn et al, `Dion: Distributed Orthonormalized Updates
+      <https://arxiv.org/abs/2504.05295>`_, 2025 (distributed Muon)
+    """
+    base.check_hyperparameter(learning_rate, "learning_rate", lower=0.0)
+    base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
+    base.check_hyperparameter(adam_weight_decay, "adam_weight_decay", lower=0.0)
+    base.check_hyperparameter(adam_b1, "adam_b1", lower=0.0, upper=1.0, upper_open=True)
+    base.check_hyperparameter(adam_b2, "adam_b2", lower=0.0, upper=1.0, upper_open=True)
+    base.check_hyperparameter(adam_eps_root, "adam_eps_root", lower=0.0)
+    if adam_learning_rate is None:
+        adam_learning_rate = learning_rate
+    base.check_hyperparameter(adam_learning_rate, "adam_learning_rate", lower=0.0)
+    inner = scale_by_muon(
+        ns_coeffs,
+        ns_steps,
+        beta,
+        eps,
+        mu_dtype,
+        num_workers=num_workers,
+        nesterov=nesterov,
+        adaptive=adaptive,
+        preconditioning=preconditioning,
+        weight_dimension_numbers=muon_weight_dimension_numbers,
+        consistent_rms=consistent_rms,
+        axis_name=axis_name,
+        invariant_updates=invariant_updates,
+    )
+
+    def labels(params):
+        return ortho.labels(
+            muon_weight_dimension_numbers, params, "muon", "adam", arg="muon_weight_dimension_numbers"
+        )
+
+    tail = optax.partition(
+        {
+            "muon": optax.chain(
+                *(
+                    ()
+                    if base.is_constant(weight_decay, 0.0)
+                    else (optax.add_decayed_weights(weight_decay, weight_decay_mask),)
+                ),
+                optax.scale_by_learning_rate(learning_rate),
+            ),
+            "adam": optax.adamw(
+                learning_rate=adam_learning_rate,
+                b1=adam_b1,
+                b2=adam_b2,
+                eps=eps,
+                eps_root=adam_eps_root,
+                weight_decay=adam_weight_decay,
+                mu_dtype=mu_dtype,
+                nesterov=nesterov,
+            ),
+        },
+        labels,
+    )
+    return optax.chain(inner, optax.with_extra_args_support(tail))
