@@ -353,12 +353,52 @@ def test_an_island_over_two_devices_is_the_one_device_island():
     helpers.assert_trees_equal(out[(0, True)], out[(1, True)])
 
 
-def test_an_island_with_fsdp_sharded_parameters_is_rejected_clearly():
-    mesh = jax.make_mesh((1, 2), ("data", "fsdp"), devices=jax.devices()[:2])
-    specs = {"w1": jax.P(None, "fsdp"), "w2": jax.P("fsdp", None)}
-    step = jd.data_parallel_step(
-        _loss, jd.diloco(optax.sgd(0.1), sync_every=H), mesh=mesh, per_worker_params=True, param_specs=specs
-    )
-    isl = islands.island(step, islands.LocalHub(min_islands=1).transport(), island_id=0)
-    with pytest.raises(ValueError, match=r"sharded over \['fsdp'\].*not supported yet"):
-        isl.init(_params())
+FSDP = {"w1": jax.P(None, "fsdp"), "w2": jax.P("fsdp", None)}
+
+
+# quantized (a per-worker residual in the aggregate state, sharded too) compiles slowly: its islands
+# with replicated parameters are the ones test_islands_match_in_process_diloco checks against the reference.
+@pytest.mark.parametrize(
+    "variant, replicated_too", [("diloco", True), ("streaming_delay", True), ("quantized", False)]
+)
+def test_islands_with_fsdp_sharded_parameters_match_replicated_ones(variant, replicated_too):
+    """Each island shards its parameters (and their state) over its own two devices ("fsdp", the batch
+    split over them too): the anchors are those of replicated parameters and of the in-process run
+    (to float rounding: the sharded step sums in another order), and every leaf keeps the step's
+    sharding through the rounds (the island's exchange and landing programs leave the model axes to
+    the compiler)."""
+    make_tx, steps = _maker(VARIANTS[variant]), 2 * H + 1
+    out, placed = {}, {}
+
+    def run(i, hub, specs):
+        mesh = jax.make_mesh((1, 2), ("data", "fsdp"), devices=jax.devices()[2 * i : 2 * i + 2])
+        step = jd.data_parallel_step(
+            _loss, make_tx(), mesh=mesh, per_worker_params=True, param_specs=specs, batch_axes="fsdp"
+        )
+        seen = []
+        isl = islands.island(
+            step, hub.transport(), island_id=i, on_sync=lambda rec, p, s: seen.append(rec.step)
+        )
+        p, s = isl.init(_params())
+        before = jax.tree.map(lambda x: x.sharding, (p, s))
+        for t in range(steps):
+            p, s, _ = isl(p, s, _batch(i, t))
+        isl.finish()
+        out[(i, specs is FSDP)] = (seen, jax.device_get(s.anchor))
+        placed[(i, specs is FSDP)] = (before, jax.tree.map(lambda x: x.sharding, (p, s)), s.anchor)
+
+    for specs in (FSDP, jax.P()) if replicated_too else (FSDP,):
+        hub = islands.LocalHub(min_islands=2, join_timeout=10.0)
+        _run_threads([(run, (i, hub, specs), {}) for i in range(2)])
+    ref = _reference(make_tx, steps, n=2)
+    seen, anchor = out[(0, True)]
+    assert len(seen) == 2 * len(make_tx().external.launch_phase)
+    if replicated_too:
+        _assert_close_to(anchor, out[(0, False)][1])
+    _assert_close_to(anchor, ref[steps - 1])
+    helpers.assert_trees_equal(anchor, out[(1, True)][1])
+    for i in range(2):
+        before, after, final_anchor = placed[(i, True)]
+        assert after == before  # params, anchor, inner, outer and aggregate states: as the step placed them
+        assert final_anchor["w1"].sharding.spec == jax.P(None, "fsdp")
+        assert final_anchor["w2"].sharding.spec == jax.P("fsdp", None)

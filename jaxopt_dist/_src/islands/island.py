@@ -23,9 +23,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from jaxopt_dist._src import base, comm
+from jaxopt_dist._src import base
 from jaxopt_dist._src.islands import merge
 from jaxopt_dist._src.islands.transport import ExchangeError, IslandsError, Transport
 from jaxopt_dist._src.training import layout
@@ -144,7 +143,6 @@ class Island:
         out for being slow).
         """
         params, opt_state = self.step.init(params)
-        _check_unsharded(params, self.step.axis_name)
         _check_replicated((params, opt_state))
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
@@ -402,9 +400,7 @@ class Island:
         key = (kind, f)
         if key not in self._programs:
             build = _exchange_program if kind == "exchange" else _land_program
-            self._programs[key] = build(
-                self.exchange, f, self._mask(params), self.step.mesh, self.step.axis_name
-            )
+            self._programs[key] = build(self.exchange, f, self._mask(params), self.step.axis_name)
         return self._programs[key]
 
 
@@ -431,60 +427,55 @@ def _check_step(step: Any) -> None:
         )
 
 
-def _as_placed(tree: Any, mask: Any, axis_name: base.AxisName) -> Any:
-    """Inside the island's ``shard_map``: each leaf typed as the step places it (per-worker leaves stacked).
+def _on_island(body: Any, axis_name: base.AxisName, in_masks: tuple[Any, ...], out_masks: Any) -> Any:
+    """``body`` per worker on the island's devices: ``jax.vmap`` over its one worker, under ``jax.jit``.
 
-    The island's data axis has one worker, so a value typed per-worker where the step keeps it
-    replicated (a compressor's residual, which the step itself never updates) is the same value:
-    its mean over the one worker makes it replicated.
+    The island's data axis has one worker, so the stacked leaves (where a mask is
+    True; the others are replicated) give the body their one row, and ``vmap``
+    binds ``axis_name`` with size one around it: the body's collectives reduce
+    over that one worker without a cross-device reduction. Under ``jax.jit`` the
+    island's model axes are the compiler's: a leaf sharded over them (FSDP) stays
+    so. (A ``shard_map`` manual over the data axis only would be the step's way,
+    but XLA's partitioner refuses any collective over a manual axis of size one
+    beside automatic ones.) The outputs come back stacked where ``out_masks`` is
+    True, else as the one row; the callers place them as the step does.
     """
+    names = base.axis_names(axis_name)
+    fn = body
+    for name in reversed(names):
+        fn = jax.vmap(fn, in_axes=None, axis_size=1, axis_name=name)
 
-    def one(x, m):
-        if m:
-            return comm.to_varying(x, axis_name)[None]
-        return comm.pmean(x, axis_name) if comm.is_varying(x, axis_name) else x
+    def run(*args):
+        rows = tuple(_rows(a, m, lambda x: x[0]) for a, m in zip(args, in_masks))
+        out = jax.tree.map(lambda x: x[(0,) * len(names)], fn(*rows))
+        return _rows(out, out_masks, lambda x: x[None])
 
-    return jax.tree.map(one, tree, mask)
-
-
-def _specs(mask: Any, axis_name: base.AxisName) -> Any:
-    return jax.tree.map(lambda m: layout.data_spec(axis_name) if m else P(), mask)
-
-
-def _on_island(body: Any, mesh: Any, axis_name: base.AxisName, in_specs: Any, out_specs: Any) -> Any:
-    """``body`` per worker, under ``shard_map`` over the island's data axis (its model axes left to the compiler)."""
-    manual = set(base.axis_names(axis_name))
-    extra = {"axis_names": manual} if set(mesh.axis_names) - manual else {}
-    fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True, **extra)
-    return jax.jit(fn)
+    return jax.jit(run)
 
 
-def _exchange_program(exchange: Any, f: int, mask: Any, mesh: Any, axis_name: base.AxisName) -> Any:
+def _rows(tree: Any, mask: Any, op: Callable[[Any], Any]) -> Any:
+    """``op`` on the leaves of ``tree`` under a True of ``mask`` (a tree prefix of ``tree``)."""
+    return jax.tree.map(lambda m, x: jax.tree.map(op, x) if m else x, mask, tree)
+
+
+def _exchange_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
     """``(outbox_f, aggregate_state_f, anchor) -> (aggregate_f, aggregate_state_f)`` on the island's devices."""
     agg_mask = mask.aggregate_states[f]
-    out_mask = [True] * len(mask.outbox[f])
 
     def body(outbox_f, agg_f, anchor):
         anchor_f = [jax.tree.leaves(anchor)[i] for i in exchange.fragments(anchor)[f]]
-        d, new_agg = exchange.run(
-            f, layout.first_rows(outbox_f), layout.first_rows(agg_f, agg_mask), anchor_f
-        )
-        return d, _as_placed(new_agg, agg_mask, axis_name)
+        return exchange.run(f, list(outbox_f), agg_f, anchor_f)
 
-    in_specs = (_specs(out_mask, axis_name), _specs(agg_mask, axis_name), P())
-    return _on_island(body, mesh, axis_name, in_specs, (P(), _specs(agg_mask, axis_name)))
+    return _on_island(body, axis_name, (True, agg_mask, False), (False, agg_mask))
 
 
-def _land_program(exchange: Any, f: int, mask: Any, mesh: Any, axis_name: base.AxisName) -> Any:
+def _land_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
     """``(params, state, aggregate_f) -> (params, state)``: fragment ``f``'s outer step (``sync_delay=0``)."""
-    data = layout.data_spec(axis_name)
 
     def body(params, state, delta):
-        p, s = exchange.land(f, layout.first_rows(params), layout.first_rows(state, mask), delta)
-        return layout.add_rows(comm.to_varying(p, axis_name)), _as_placed(s, mask, axis_name)
+        return exchange.land(f, params, state, delta)
 
-    specs = (data, _specs(mask, axis_name))
-    return _on_island(body, mesh, axis_name, (*specs, P()), specs)
+    return _on_island(body, axis_name, (True, mask, False), (True, mask))
 
 
 def _fragment_leaves(state: Any, f: int, exchange: Any) -> list[Any]:
@@ -502,20 +493,6 @@ def _host_like(template: Any, leaves: list[np.ndarray]) -> Any:
             f"{[np.shape(a) for a in leaves][:4]}... against {[t.shape for t in targets][:4]}..."
         )
     return jax.tree.unflatten(treedef, [np.asarray(a, t.dtype) for a, t in zip(leaves, targets)])
-
-
-def _check_unsharded(params: Any, axis_name: base.AxisName) -> None:
-    """Parameters sharded over an island's model axes are not supported (yet): say so at ``init``."""
-    data = set(base.axis_names(axis_name))
-    for x in jax.tree.leaves(params):
-        spec = getattr(x.sharding, "spec", ())
-        named = {a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))}
-        if named - data:
-            raise ValueError(
-                f"an island's parameters must be replicated over its devices (got a leaf sharded over "
-                f"{sorted(named - data)}): use param_specs=jax.P() with batch_axes; model-axis sharding "
-                "(FSDP) inside an island is not supported yet."
-            )
 
 
 def _check_replicated(tree: Any) -> None:
