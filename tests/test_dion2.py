@@ -13,13 +13,14 @@ import pytest
 import jaxopt_dist as jd
 from jaxopt_dist._src import comm, orthonormal
 from tests import helpers
+from tests.test_muon import check_local_inner_in_diloco, run_sharded_model, traced_collectives, update_program
 
 P = jax.sharding.PartitionSpec
 
 # (4, 6): fan_out > fan_in, the input features are selected; (6, 3): the outputs; (5, 5): square.
 SHAPES = {"a": (4, 6), "b": (4, 6), "c": (4, 6), "d": (6, 3), "sq": (5, 5), "bias": (5,), "scale": ()}
 MATRICES = ("a", "b", "c", "d", "sq")
-STEPS = 3
+STEPS = 2
 COEFFS = orthonormal.resolve_ns_coeffs("standard", 5, caller="test")
 
 
@@ -84,15 +85,56 @@ def _full_momentum(state, groups_keys, n):
     return [np.asarray(x).reshape(-1, *x.shape[2:]) for x in state[0].momentum]
 
 
-@pytest.mark.parametrize("backend", helpers.BACKENDS)
-@pytest.mark.parametrize("n", [1, 2, 3])
+def _local_steps(tx, grads_seq, params):
+    """``tx`` for ``T`` steps of one worker's gradients ``(T, ...)``, outside any mapped axis."""
+
+    def steps(grads_seq, p):
+        def body(carry, g):
+            state, p = carry
+            u, state = tx.update(g, state, p)
+            return (state, optax.apply_updates(p, u)), u
+
+        (state, p), updates = jax.lax.scan(body, (tx.init(p), p), grads_seq)
+        return updates, p, state
+
+    return jax.jit(steps)(grads_seq, params)
+
+
+SPECS = {
+    "a": P(None, "fsdp"),
+    "b": P("fsdp", None),
+    "c": P(),
+    "d": P("fsdp", None),
+    "sq": P(),
+    "bias": P(),
+    "scale": P(),
+}
+
+
+@pytest.mark.parametrize("backend,n", [("vmap", 1), ("sharded_model", 3)])
 def test_matches_numpy_reference(backend, n):
+    """The NumPy reference under vmap, and under shard_map through data_parallel_step with the
+    matrices sharded over a model axis ("fsdp"); with n=1 also axis_name=None: the W=1 numbers.
+    (Three workers: the (4, 6) group fills one slot each, the others are padded.)"""
     params = _params()
     grads = helpers.grads_seq(1, STEPS, n, SHAPES)
     kw = dict(fraction=0.5, ef_decay=0.9, wd=0.05)
-    tx = jd.dion2(0.02, fraction=0.5, ef_decay=0.9, weight_decay=0.05, num_workers=n)
-    updates, final, state = helpers.run_steps(tx, grads, params, backend=backend)
+    opts = dict(fraction=0.5, ef_decay=0.9, weight_decay=0.05)
+    tx = jd.dion2(0.02, num_workers=n, **opts)
     ref_updates, ref_final, ref_mom = _np_dion2(grads, params, lr=0.02, **kw)
+    if backend == "sharded_model":
+        final, state = run_sharded_model(tx, grads, params, SPECS)
+        updates = ref_updates
+    else:
+        updates, final, state = helpers.run_steps(tx, grads, params, backend=backend)
+    if n == 1:
+        local = _local_steps(
+            jd.dion2(0.02, axis_name=None, **opts), jax.tree.map(lambda x: x[:, 0], grads), params
+        )
+        helpers.assert_trees_close(local[:2], (updates, final), rtol=1e-6, atol=1e-7)
+        helpers.assert_trees_close(
+            local[2][0].momentum, tuple(x[0] for x in state[0].momentum), rtol=1e-6, atol=1e-7
+        )
     helpers.assert_trees_close(updates, ref_updates, rtol=1e-5, atol=1e-6)
     helpers.assert_trees_close(final, ref_final, rtol=1e-5, atol=1e-6)
     # Groups: (4, 6) x3, (6, 3), (5, 5). Each worker keeps ceil(count / n) matrices of each.
@@ -104,40 +146,36 @@ def test_matches_numpy_reference(backend, n):
     np.testing.assert_allclose(full[2][0], ref_mom["sq"], rtol=1e-5, atol=1e-6)
 
 
-def test_fraction_one_is_muon_momentum():
-    """fraction=1: every slice selected, B_t = mu B_{t-1} + G_t, update -lr sqrt(out/in) NS(B_t)."""
-    n, mu, lr = 2, 0.9, 0.1
-    shapes = {"w": (6, 4)}
+def test_fraction_one_is_muon_momentum_scalar_optimizer_schedule():
+    """fraction=1: every slice selected, B_t = mu B_{t-1} + G_t, update -lr_t sqrt(out/in) NS(B_t);
+    the other leaves go to ``scalar_optimizer``; the learning rate follows its schedule."""
+    n, mu = 2, 0.9
+    lr = optax.linear_schedule(0.1, 0.02, STEPS)
+    shapes = {"w": (6, 4), "bias": (5,), "scale": ()}
     params = _params(shapes)
     grads = helpers.grads_seq(2, STEPS, n, shapes)
-    tx = jd.dion2(lr, fraction=1.0, ef_decay=mu, weight_decay=0.0, num_workers=n)
+    tx = jd.dion2(
+        lr, fraction=1.0, ef_decay=mu, weight_decay=0.0, scalar_optimizer=optax.sgd(0.1), num_workers=n
+    )
     updates, _, state = helpers.run_steps(tx, grads, params, backend="vmap")
+    for k in ("bias", "scale"):
+        np.testing.assert_allclose(updates[k], -0.1 * grads[k].mean(axis=1), rtol=1e-5, atol=1e-7)
     b = np.zeros((6, 4))
     for t in range(STEPS):
         b = mu * b + grads["w"][t].astype(np.float64).mean(axis=0)
-        np.testing.assert_allclose(updates["w"][t], -lr * math.sqrt(4 / 6) * _np_ns(b), rtol=1e-5, atol=1e-6)
+        want = -float(lr(t)) * math.sqrt(4 / 6) * _np_ns(b)
+        np.testing.assert_allclose(updates["w"][t], want, rtol=1e-5, atol=1e-6)
     # The state keeps mu * B_t (the selected slices decayed), in the (fan_out, fan_in) layout.
     np.testing.assert_allclose(state[0].momentum[0][0, 0], mu * b.T, rtol=1e-5, atol=1e-6)
 
 
-def test_one_reduce_scatter_one_all_gather():
+def test_one_reduce_scatter_one_all_gather_none_when_local():
     n = 3
     params = {k: jnp.asarray(v) for k, v in _params().items()}
-    tx = jd.dion2(0.02, num_workers=n)
-    mesh = helpers.make_mesh(n)
-    g = jax.device_put(
-        jax.tree.map(lambda x: jnp.ones((n, *x.shape)), params), jax.sharding.NamedSharding(mesh, P("data"))
-    )
-
-    def body(g, p):
-        g = jax.tree.map(lambda x: x[0], g)
-        return tx.update(g, tx.init(p), p)[0]
-
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P(), check_vma=True)
-    assert helpers.count_collectives(helpers.compiled_text(f, g, params)) == {
-        "reduce-scatter": 1,
-        "all-gather": 1,
-    }
+    f, g = update_program(jd.dion2(0.02, num_workers=n), params, n)
+    compiled = helpers.count_collectives(helpers.compiled_text(f, g, params))
+    assert compiled == {"reduce-scatter": 1, "all-gather": 1}
+    assert traced_collectives(jd.dion2(0.02, axis_name=None), params) == []
 
 
 def test_all_gather_carries_the_fraction():
@@ -163,25 +201,11 @@ def test_all_gather_carries_the_fraction():
     assert sizes["gathered"] == [(2, 1, 6), (1, 1, 6), (1, 2, 5), (2, 1), (1, 1), (1, 2), (3,)]
 
 
-def test_scalar_optimizer_and_schedules():
-    n = 2
-    params = _params()
-    grads = helpers.grads_seq(3, 2, n, SHAPES)
-    sched = optax.linear_schedule(0.05, 0.01, 2)
-    tx = jd.dion2(
-        sched, fraction=0.5, ef_decay=0.9, weight_decay=0.0, scalar_optimizer=optax.sgd(0.1), num_workers=n
-    )
-    updates, _, _ = helpers.run_steps(tx, grads, params, backend="vmap")
-    for k in ("bias", "scale"):
-        np.testing.assert_allclose(updates[k], -0.1 * grads[k].mean(axis=1), rtol=1e-5, atol=1e-7)
-    ref, _, _ = _np_dion2(grads, params, lr=0.05, fraction=0.5, ef_decay=0.9, wd=0.0)
-    np.testing.assert_allclose(updates["a"][0], ref["a"][0], rtol=1e-5, atol=1e-6)  # step 0: lr 0.05
-    assert not np.allclose(updates["a"][1], 0)
-
-
 def test_bad_inputs():
     with pytest.raises(ValueError, match="needs `num_workers`"):
         jd.dion2(0.01)
+    with pytest.raises(ValueError, match="axis_name=None runs on one worker"):
+        jd.dion2(0.01, axis_name=None, num_workers=2)
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="fraction"):
             jd.dion2(0.01, fraction=bad, num_workers=2)
@@ -207,39 +231,28 @@ def test_bad_inputs():
         tx2.update(params, tx2.init(params), params)
 
 
-def test_sharded_model_equals_replicated():
-    """Parameters sharded over a model axis ("fsdp"): the same numbers as replicated ones."""
-    import jaxopt_dist as jd
+def test_local_dion2_as_diloco_inner_optimizer_with_muloco_aggregate():
+    inner = jd.dion2(0.01, ns_steps=2, axis_name=None)  # 2 Newton-Schulz steps: a smaller program
+    check_local_inner_in_diloco(inner, aggregate=jd.statistical_quantize(2))
 
-    d_in, hidden, d_out, rows = 8, 16, 8, 16
-    rng = np.random.default_rng(0)
-    params = {
-        "w1": (rng.standard_normal((d_in, hidden)) / np.sqrt(d_in)).astype(np.float32),
-        "b1": np.zeros(hidden, np.float32),
-        "w2": (rng.standard_normal((hidden, d_out)) / np.sqrt(hidden)).astype(np.float32),
-    }
-    specs = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None)}
-    batches = [
-        {
-            "x": rng.standard_normal((rows, d_in)).astype(np.float32),
-            "y": rng.standard_normal((rows, d_out)).astype(np.float32),
-        }
-        for _ in range(2)
-    ]
 
-    def loss(p, b):
-        return jnp.mean((jnp.tanh(b["x"] @ p["w1"] + p["b1"][None]) @ p["w2"] - b["y"]) ** 2)
+def test_per_worker_params_with_a_bound_axis_are_rejected():
+    mesh = helpers.make_mesh(2)
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)  # noqa: E731
+    step = jd.data_parallel_step(loss, jd.dion2(0.01, num_workers=2), mesh=mesh, per_worker_params=True)
+    with pytest.raises(ValueError, match="per-worker parameters.*axis_name=None for a local Dion2"):
+        p, s = step.init({"w": jnp.ones((4, 3))})
+        step(p, s, {"x": np.ones((4, 4), np.float32)})
 
-    def train(mesh, param_specs):
-        step = jd.data_parallel_step(loss, jd.dion2(0.05, num_workers=2), mesh=mesh, param_specs=param_specs)
-        p, s = step.init(params)
-        for b in batches:
-            p, s, _ = step(p, s, b)
-        return p
 
-    sharded = train(jax.make_mesh((2, 4), ("data", "fsdp")), specs)
-    replicated = train(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]), None)
-    helpers.assert_trees_close(jax.device_get(sharded), jax.device_get(replicated), rtol=1e-5, atol=1e-6)
+def test_state_cannot_be_regrouped_for_another_worker_count():
+    params = {k: jnp.asarray(v) for k, v in _params().items()}
+    tx = jd.dion2(0.01, num_workers=2)
+    inner, tail = tx.init(params)
+    state = (inner._replace(momentum=tuple(jnp.stack([x, x]) for x in inner.momentum)), tail)
+    with pytest.raises(ValueError, match=r"Dion2State\.momentum"):
+        jd.reshard_opt_state(state, tx, params, num_workers=3)
+    assert "num_workers" in jd.Dion2State.RESHARD_NOTE  # why, and what to do instead
 
 
 def test_inject_hyperparams_and_bf16_contract():
@@ -248,7 +261,8 @@ def test_inject_hyperparams_and_bf16_contract():
     make = optax.inject_hyperparams(jd.dion2, static_args=("num_workers", "fraction", "ns_steps"))
     tx = make(learning_rate=0.1, num_workers=2)
     want = jd.dion2(0.1, num_workers=2)
-    run = lambda t: jax.vmap(lambda g: t.update(g, t.init(params), params)[0], axis_name="data")(grads)  # noqa: E731
-    helpers.assert_trees_close(run(tx), run(want), rtol=1e-5, atol=1e-6)  # eps as an array rounds apart
-    bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in _params().items()}
+    run = lambda t, g: jax.vmap(lambda g: t.update(g, t.init(params), params)[0], axis_name="data")(g)  # noqa: E731
+    got, expected = jax.jit(lambda g: (run(tx, g), run(want, g)))(grads)
+    helpers.assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)  # eps as an array rounds apart
+    bf16 = {k: jnp.asarray(v, jnp.bfloat16) for k, v in _params({"a": (4, 6), "bias": (5,)}).items()}
     helpers.check_bf16_contract(jd.dion2(0.01, num_workers=2), bf16, steps=2, workers=2, replicated=True)

@@ -8,7 +8,9 @@ matrix's shorter side ``s`` with the largest L1 norm, decays only those
 ``W`` shares; one reduce-scatter brings each owner the mean gradient of its
 share; the owner updates the momentum it alone keeps, selects, decays and
 orthogonalises; one all-gather returns the orthogonalised slices and their
-indices (``fraction`` of the matrices' entries) to every worker.
+indices (``fraction`` of the matrices' entries) to every worker. With
+``axis_name=None``: one worker, no communication (the numbers of ``W = 1``),
+e.g. as :func:`jaxopt_dist.diloco`'s inner optimizer.
 """
 
 from __future__ import annotations
@@ -81,9 +83,22 @@ class Dion2State(NamedTuple):
         worker owns, oriented with the selectable side first (``a = fan_out,
         b = fan_in`` when ``fan_out <= fan_in``, i.e. the reference's
         ``(d_out, d_in)`` layout; else ``(fan_in, fan_out)``); per-worker,
-        ``1 / W`` of the momentum. Not regroupable for another number of
-        workers.
+        ``1 / W`` of the momentum (all of it with ``axis_name=None``). Not
+        regroupable for another number of workers:
+        :func:`jaxopt_dist.reshard_opt_state` refuses it (no reshard rule),
+        since the workers' rows are the momenta of *different matrices*,
+        not copies to average, and the shard sizes ``ceil(c_g / W)`` change
+        with ``W``. To resume on another number of workers, build
+        :func:`jaxopt_dist.dion2` with the new ``num_workers`` and start the
+        momentum afresh (``tx.init``); ``momentum.reshape(W * s_g, a,
+        b)[:c_g]`` is group ``g``'s whole momentum, to redistribute by hand
+        if it matters.
+
+    ``RESHARD_NOTE`` (a class attribute, not a field) says so, for
+    :func:`jaxopt_dist.reshard_opt_state`'s refusal.
     """
+
+    RESHARD_NOTE = ortho.RESHARD_NOTE
 
     count: jax.Array  # int32[], replicated
     momentum: tuple[jax.Array, ...]  # (ceil(c_g / W), a, b) per group, per-worker
@@ -100,7 +115,7 @@ def _scale_by_dion2(
     adjust_lr: str | None,
     weight_dimension_numbers: Any,
     num_workers: int,
-    axis_name: base.AxisName,
+    axis_name: base.AxisName | None,
     invariant_updates: str,
 ) -> optax.GradientTransformationExtraArgs:
     """Dion2's matrix updates (final, with the learning rate), the mean gradient for other leaves."""
@@ -116,8 +131,8 @@ def _scale_by_dion2(
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        n = comm.require_axis(axis_name, caller)
-        ortho.check_workers(num_workers, n, caller)
+        n = ortho.workers(num_workers, axis_name, caller)
+        ortho.check_replicated_params(params, axis_name, caller, "Dion2")
         if use_wd and params is None:
             raise ValueError(base.no_params_message(caller, "with weight_decay"))
         if not jax.tree.leaves(updates):
@@ -182,7 +197,7 @@ def dion2(
     adjust_lr: str | None = "spectral_norm",
     scalar_optimizer: optax.GradientTransformation | None = None,
     weight_dimension_numbers: Any = None,
-    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    axis_name: base.AxisName | None = base.DEFAULT_AXIS_NAME,
     invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Dion2 on the mean gradient: orthonormal updates of the top ``fraction`` of slices, split over workers.
@@ -217,6 +232,15 @@ def dion2(
     ``optax.adamw(learning_rate, b1=0.9, b2=0.95, eps=eps,
     weight_decay=weight_decay)``, the reference's AdamW.
 
+    The outputs are replicated, so the parameters must be too (the default
+    of :func:`jaxopt_dist.data_parallel_step`): ``update`` raises
+    ``ValueError`` when ``params`` are typed per-worker over ``axis_name``
+    under ``shard_map(check_vma=True)`` (``per_worker_params=True``), where
+    the workers' differences would never be reconciled; under ``vmap``
+    nothing is typed and this cannot be checked. For per-worker parameters,
+    e.g. as :func:`jaxopt_dist.diloco`'s inner optimizer, use
+    ``axis_name=None``: one worker's Dion2, no communication.
+
     Args:
       learning_rate: :math:`\eta`, a float or a schedule (reference default 0.01).
       fraction: the fraction of slices orthogonalised, in ``(0, 1]`` (a
@@ -225,10 +249,10 @@ def dion2(
       weight_decay: :math:`\lambda` (decoupled, times the learning rate);
         needs ``params`` when nonzero.
       eps: Newton-Schulz's normalisation epsilon (and the default AdamW's).
-      num_workers: ``W``, the size of ``axis_name`` (required: the state
-        keeps ``1 / W`` of the momentum). Under
-        :func:`optax.inject_hyperparams` list ``num_workers``, ``fraction``
-        and ``ns_steps`` in ``static_args``.
+      num_workers: ``W``, the size of ``axis_name`` (required with an axis:
+        the state keeps ``1 / W`` of the momentum; None or 1 with
+        ``axis_name=None``). Under :func:`optax.inject_hyperparams` list
+        ``num_workers``, ``fraction`` and ``ns_steps`` in ``static_args``.
       ns_coeffs: Newton-Schulz coefficients or a preset (``"standard"``,
         ``"dion"``), as ``optax.contrib.muon``.
       ns_steps: Newton-Schulz steps.
@@ -240,7 +264,8 @@ def dion2(
       weight_dimension_numbers: which leaves are matrices and how they are
         viewed, as ``optax.contrib.muon``'s ``muon_weight_dimension_numbers``
         (None: the 2-D leaves).
-      axis_name: the data axis.
+      axis_name: the data axis. None: one worker, no communication (e.g. as
+        DiLoCo's inner optimizer); the numbers of ``W = 1``.
       invariant_updates: what an update typed invariant under
         ``shard_map(check_vma=True)`` stands for (``"sum"``, ``"mean"``,
         ``"error"``); Dion2 depends on the mean only.
@@ -260,7 +285,9 @@ def dion2(
       gradient's bytes for the reduce-scatter and about ``fraction`` of that
       for the all-gather. Outputs are replicated; ``count`` and the scalar
       optimizer's state are replicated; ``momentum`` is per-worker,
-      ``1 / W`` of the matrices' momentum.
+      ``1 / W`` of the matrices' momentum. None with ``axis_name=None``
+      (outputs and state as the inputs: per-worker for per-worker
+      parameters).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -270,6 +297,13 @@ def dion2(
       >>> out = jax.vmap(step, axis_name="data")(grads)
       >>> out["w"].shape
       (2, 8, 4)
+
+      Local, inside DiLoCo with MuLoCo's quantized outer exchange (per-worker
+      parameters, ``jd.data_parallel_step(..., per_worker_params=True)``):
+
+      >>> tx = jd.diloco(
+      ...     jd.dion2(0.01, axis_name=None), sync_every=4, aggregate=jd.statistical_quantize(2)
+      ... )
 
     References:
       Ahn et al, `Dion2 <https://arxiv.org/abs/2512.16928>`_, 2025;
@@ -282,7 +316,8 @@ def dion2(
     base.check_hyperparameter(ef_decay, "ef_decay", lower=0.0, upper=1.0)
     base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
     base.check_hyperparameter(eps, "eps", lower=0.0)
-    num_workers = ortho.require_num_workers(num_workers, "dion2")
+    axis_name = base.validate_axis_name(axis_name, allow_none=True)
+    num_workers = ortho.resolve_num_workers(num_workers, axis_name, "dion2")
     ns_steps = base.check_positive_int(ns_steps, "ns_steps")
     coeffs = ortho.resolve_ns_coeffs(ns_coeffs, ns_steps, caller="dion2")
     if preconditioning not in ortho.PRECONDITIONINGS:
@@ -295,7 +330,6 @@ def dion2(
         raise TypeError(
             f"`scalar_optimizer` must be an optax.GradientTransformation or None; got {scalar_optimizer!r}."
         )
-    axis_name = base.validate_axis_name(axis_name)
     invariant_updates = comm.check_invariant_mode(invariant_updates)
     if scalar_optimizer is None:
         scalar_optimizer = optax.adamw(

@@ -17,6 +17,10 @@ into ``W`` equal shares (zero-padded), and each worker owns one share:
 A reduce-scatter plus an all-gather is how a ring all-reduce moves its bytes,
 so the step costs the bytes of the all-reduce it replaces, while the momentum
 memory and the Newton-Schulz work per worker fall by ``W``.
+
+With ``axis_name=None`` there is one worker and no communication: the
+numbers of ``W = 1``, ``optax.contrib.muon`` itself, e.g. as the inner
+optimizer of :func:`jaxopt_dist.diloco` (MuLoCo) on per-worker parameters.
 """
 
 from __future__ import annotations
@@ -50,11 +54,24 @@ class ScaleByMuonState(NamedTuple):
     Attributes:
       count: int32[], steps taken; replicated.
       mu: per group, ``(s_g, fan_in, fan_out)``: the momentum of the matrices
-        this worker owns, and only those; per-worker. A state of ``W``
-        workers cannot be regrouped for another number of workers
-        (:func:`jaxopt_dist.reshard_opt_state` refuses it: the shards are of
-        different matrices, not copies).
+        this worker owns, and only those; per-worker (``W = 1`` with
+        ``axis_name=None``: all of them). A state of ``W`` workers cannot be
+        regrouped for another number of workers:
+        :func:`jaxopt_dist.reshard_opt_state` refuses ``mu`` (no reshard
+        rule), since worker ``j``'s rows are the momentum of *other
+        matrices* than worker ``i``'s, not a copy to average, and the shard
+        sizes ``ceil(c_g / W)`` change with ``W``. To resume on another
+        number of workers, build the optimizer with the new ``num_workers``
+        and start its momentum afresh (``tx.init``); the rows stacked over
+        the old workers, ``mu.reshape(W * s_g, fan_in, fan_out)[:c_g]``, are
+        the whole momentum of group ``g``, to redistribute by hand if it
+        matters.
+
+    ``RESHARD_NOTE`` (a class attribute, not a field) says so, for
+    :func:`jaxopt_dist.reshard_opt_state`'s refusal.
     """
+
+    RESHARD_NOTE = ortho.RESHARD_NOTE
 
     count: jax.Array  # int32[], replicated
     mu: tuple[jax.Array, ...]  # (ceil(c_g / W), fan_in, fan_out) per group, per-worker
@@ -73,7 +90,7 @@ def scale_by_muon(
     preconditioning: str = "frobenius",
     weight_dimension_numbers: Any = None,
     consistent_rms: float | None = None,
-    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    axis_name: base.AxisName | None = base.DEFAULT_AXIS_NAME,
     invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Muon's orthogonalised momentum of the mean gradient, the work split over the workers.
@@ -96,6 +113,14 @@ def scale_by_muon(
     over the leaf. Every other leaf comes out as the mean gradient (to feed
     the Adam branch of :func:`muon`).
 
+    The outputs are replicated, so the parameters must be too: ``update``
+    raises ``ValueError`` when ``params`` are typed per-worker over
+    ``axis_name`` under ``shard_map(check_vma=True)`` (e.g.
+    ``data_parallel_step(..., per_worker_params=True)``), where the workers'
+    differences would never be reconciled. Under ``vmap`` nothing is typed
+    and this cannot be checked. For per-worker parameters (DiLoCo's inner
+    optimizer) use ``axis_name=None``: one worker, no communication.
+
     Args:
       ns_coeffs: Newton-Schulz coefficients: a triple used every step, a
         table of triples (one row per step), or a preset (``"standard"``,
@@ -104,8 +129,9 @@ def scale_by_muon(
       beta: the momentum decay (a float, as optax's).
       eps: added to the norm before Newton-Schulz.
       mu_dtype: the momentum's dtype (None: the parameters').
-      num_workers: ``W``, the size of ``axis_name`` (required: ``init``
-        sizes the per-worker shards); ``update`` checks it.
+      num_workers: ``W``, the size of ``axis_name`` (required with an axis:
+        ``init`` sizes the per-worker shards); ``update`` checks it. None or
+        1 with ``axis_name=None``.
       nesterov: Nesterov momentum (optax's default).
       adaptive: scale by the dual norm (optax's ``adaptive``).
       preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
@@ -116,7 +142,9 @@ def scale_by_muon(
         ``optax.contrib.MuonDimensionNumbers``/None, or a callable giving
         one from the updates. Batch axes make matrices of their own.
       consistent_rms: optax's consistent-RMS scaling (None: width scaling).
-      axis_name: the data axis.
+      axis_name: the data axis. None: one worker, no communication (e.g. as
+        DiLoCo's inner optimizer on per-worker parameters); the numbers of
+        ``W = 1``.
       invariant_updates: what an update typed invariant under
         ``shard_map(check_vma=True)`` stands for (``"sum"``, ``"mean"``,
         ``"error"``); the output depends on the mean only.
@@ -133,10 +161,12 @@ def scale_by_muon(
       ``adaptive``). Each worker sends ``(W - 1) L w`` bytes in each, the
       bytes of a ring all-reduce of the (padded) gradients. Outputs are
       replicated; ``count`` is replicated; ``mu`` is per-worker, ``1 / W``
-      of the momentum (``s_g = ceil(c_g / W)`` matrices per group).
+      of the momentum (``s_g = ceil(c_g / W)`` matrices per group). None
+      with ``axis_name=None``.
     """
     caller = "scale_by_muon"
-    num_workers = ortho.require_num_workers(num_workers, caller)
+    axis_name = base.validate_axis_name(axis_name, allow_none=True)
+    num_workers = ortho.resolve_num_workers(num_workers, axis_name, caller)
     ns_steps = base.check_positive_int(ns_steps, "ns_steps")
     coeffs = ortho.resolve_ns_coeffs(ns_coeffs, ns_steps, caller=caller)
     if not base.is_python_number(beta) or not 0.0 <= float(beta) < 1.0:
@@ -151,7 +181,6 @@ def scale_by_muon(
     if consistent_rms is not None:
         base.check_hyperparameter(consistent_rms, "consistent_rms", lower=0.0)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
-    axis_name = base.validate_axis_name(axis_name)
     invariant_updates = comm.check_invariant_mode(invariant_updates)
     n_cfg = num_workers
     arg = "weight_dimension_numbers"
@@ -164,9 +193,9 @@ def scale_by_muon(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        n = comm.require_axis(axis_name, caller)
-        ortho.check_workers(n_cfg, n, caller)
+        del extra_args
+        n = ortho.workers(n_cfg, axis_name, caller)
+        ortho.check_replicated_params(params, axis_name, caller, "Muon")
         if not jax.tree.leaves(updates):
             return updates, state
         owned = ortho.owned_means(
@@ -231,7 +260,7 @@ def muon(
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_weight_dimension_numbers: Any = None,
     consistent_rms: float | None = None,
-    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    axis_name: base.AxisName | None = base.DEFAULT_AXIS_NAME,
     invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Distributed Muon: ``optax.contrib.muon`` on the mean gradient, each worker owning ``1 / W``.
@@ -253,6 +282,14 @@ def muon(
     worker keeps the momentum of its share only and orthogonalises only it
     (see :func:`scale_by_muon` and the module docstring).
 
+    The parameters must be replicated (the default of
+    :func:`jaxopt_dist.data_parallel_step`). For per-worker parameters,
+    e.g. as :func:`jaxopt_dist.diloco`'s inner optimizer (MuLoCo), use
+    ``axis_name=None``: one worker's ``optax.contrib.muon``, no
+    communication. A bound axis with parameters typed per-worker under
+    ``shard_map(check_vma=True)`` raises ``ValueError`` (under ``vmap``
+    it cannot be seen).
+
     Args:
       learning_rate: a float or an optax schedule.
       ns_coeffs: Newton-Schulz coefficients or a preset (``"standard"``,
@@ -264,10 +301,10 @@ def muon(
         learning rate); needs ``params``.
       weight_decay_mask: which matrix leaves decay (as optax's).
       mu_dtype: momentum dtype (Muon's and Adam's).
-      num_workers: ``W``, the size of ``axis_name`` (required: the state
-        keeps ``1 / W`` of the momentum). Under
-        :func:`optax.inject_hyperparams` list ``num_workers``, ``beta`` and
-        ``ns_steps`` in ``static_args``.
+      num_workers: ``W``, the size of ``axis_name`` (required with an axis:
+        the state keeps ``1 / W`` of the momentum; None or 1 with
+        ``axis_name=None``). Under :func:`optax.inject_hyperparams` list
+        ``num_workers``, ``beta`` and ``ns_steps`` in ``static_args``.
       nesterov: Nesterov momentum (Muon's and Adam's).
       adaptive: scale by the dual norm (optax's ``adaptive``).
       preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or
@@ -280,7 +317,8 @@ def muon(
       muon_weight_dimension_numbers: which leaves are matrices and how they
         are viewed (see :func:`scale_by_muon`); None marks an Adam leaf.
       consistent_rms: optax's consistent-RMS scaling (None: width scaling).
-      axis_name: the data axis.
+      axis_name: the data axis. None: one worker, no communication (e.g. as
+        DiLoCo's inner optimizer): ``optax.contrib.muon``'s numbers.
       invariant_updates: see :func:`scale_by_muon`.
 
     Returns:
@@ -296,7 +334,9 @@ def muon(
       momentum (``ScaleByMuonState.mu``) is per-worker, ``1 / W`` of the
       matrices' momentum per worker; the count and the Adam state are
       replicated. Newton-Schulz work per worker: ``ceil(c_g / W)`` matrices
-      of each group instead of ``c_g``.
+      of each group instead of ``c_g``. None with ``axis_name=None``
+      (outputs and state as the inputs: per-worker for per-worker
+      parameters).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -306,6 +346,13 @@ def muon(
       >>> out = jax.vmap(step, axis_name="data")(grads)
       >>> out["w"].shape
       (2, 4, 4)
+
+      Local, as MuLoCo's inner optimizer (per-worker parameters under
+      ``jd.data_parallel_step(..., per_worker_params=True)``):
+
+      >>> muloco = jd.diloco(
+      ...     jd.muon(0.02, axis_name=None), sync_every=4, aggregate=jd.statistical_quantize(2)
+      ... )
 
     References:
       Jordan, `Muon: An optimizer for hidden layers in neural networks

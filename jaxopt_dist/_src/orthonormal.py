@@ -13,7 +13,8 @@
   of its own share only (and a ``1 / n`` chunk of any dense leaves sent
   along); :func:`gather_from_owners` returns what the owners computed to
   every worker with ONE all-gather. Together they move the bytes of one
-  all-reduce.
+  all-reduce. With ``axis_name=None`` (one worker, no communication) both
+  only drop or add the leading axis of length 1.
 
 Transform modules import this module, never each other.
 """
@@ -258,7 +259,12 @@ def unstack_group(stacked: jax.Array, views: dict[int, MatrixView], g: Group) ->
 
 
 def reduce_to_owners(
-    rows: Sequence[jax.Array], dense: Sequence[jax.Array], n: int, axis_name: base.AxisName, *, caller: str
+    rows: Sequence[jax.Array],
+    dense: Sequence[jax.Array],
+    n: int,
+    axis_name: base.AxisName | None,
+    *,
+    caller: str,
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Sums over the workers, each worker receiving only the part it owns.
 
@@ -268,13 +274,14 @@ def reduce_to_owners(
         their flattened concatenation (per dtype, zero-padded to a multiple
         of ``n``).
       n: the number of workers.
-      axis_name: the workers' axis.
+      axis_name: the workers' axis; None: one worker (``n == 1``), no
+        communication.
       caller: names the transform in errors.
 
     Returns:
       ``(sums of this worker's rows, shaped like a row; the summed dense
       chunk per dtype, in order of first appearance)``. ONE reduce-scatter per
-      dtype.
+      dtype (none with ``axis_name=None``).
     """
     items: list[tuple[Any, jax.Array]] = []  # (dtype, (n, size) row block)
     for x in rows:
@@ -294,7 +301,10 @@ def reduce_to_owners(
     summed: list[Any] = [None] * len(items)
     for idx in by_dtype.values():
         buffer = jnp.concatenate([items[k][1] for k in idx], axis=1)
-        mine = comm.reduce_scatter(buffer, axis_name, caller=caller)
+        if axis_name is None:  # one worker: its row is the sum
+            mine = buffer[0]
+        else:
+            mine = comm.reduce_scatter(buffer, axis_name, caller=caller)
         offset = 0
         for k in idx:
             size = items[k][1].shape[1]
@@ -324,13 +334,16 @@ def split_dense(chunks: Sequence[jax.Array], dense: Sequence[Any]) -> list[jax.A
 
 
 def gather_from_owners(
-    arrays: Sequence[jax.Array], axis_name: base.AxisName, *, caller: str
+    arrays: Sequence[jax.Array], axis_name: base.AxisName | None, *, caller: str
 ) -> list[jax.Array]:
     """Every worker's ``arrays`` to every worker with ONE all-gather (any dtypes, bit-exact).
 
     Returns one ``(n, *shape)`` array per input (row ``j`` from worker
     ``j``), the same on every worker (typed replicated under shard_map).
+    With ``axis_name=None`` (one worker): ``(1, *shape)``, no communication.
     """
+    if axis_name is None:
+        return [x[None] for x in arrays]
     return comm.all_gather_packed(list(arrays), axis_name, caller=caller)
 
 
@@ -339,23 +352,76 @@ def shard_init(groups: Sequence[Group], dtype_of: Any) -> tuple[jax.Array, ...]:
     return tuple(jnp.zeros((g.share, g.fan_in, g.fan_out), dtype_of(g)) for g in groups)
 
 
-def check_workers(built: int, n: int, caller: str) -> None:
-    """Raises when the axis has another size than the ``num_workers`` the state was built for."""
+RESHARD_NOTE = (
+    "Each worker's rows hold the momentum of its own 1/W of the matrices (different matrices, not "
+    "copies to average), and their shapes depend on W. To resume on another number of workers, "
+    "build the optimizer with the new num_workers and start its momentum afresh (tx.init); the rows "
+    "stacked over the old workers, reshaped to (W * share, ...)[:count], are each group's whole "
+    "momentum, to redistribute by hand if it matters."
+)
+"""Why the sharded momentum cannot be regrouped, and what to do: the state classes' ``RESHARD_NOTE``."""
+
+
+def workers(built: int, axis_name: base.AxisName | None, caller: str) -> int:
+    """The number of workers ``update`` runs on: 1 with ``axis_name=None``, else the axis size.
+
+    Raises when the axis has another size than the ``num_workers`` the state
+    was built for (or is unbound).
+    """
+    if axis_name is None:
+        return 1
+    n = comm.require_axis(axis_name, caller)
     if n != built:
         raise ValueError(
-            f"`{caller}` was built with num_workers={built} but runs on {n} workers: its state keeps "
-            f"1/{built} of each group of matrices per worker. Build it with num_workers={n}."
+            f"`{caller}` was built with num_workers={built} but runs on {n} workers: each worker's "
+            f"state keeps the momentum of its own 1/{built} of each group of matrices, so it runs on "
+            f"exactly {built}. Build it with num_workers={n} (a state cannot be regrouped for another "
+            "number of workers: start the momentum afresh from the new optimizer's init)."
         )
+    return n
 
 
-def require_num_workers(num_workers: Any, caller: str) -> int:
-    """``num_workers`` checked: needed by ``init`` to size the per-worker shards."""
+def resolve_num_workers(num_workers: Any, axis_name: base.AxisName | None, caller: str) -> int:
+    """``num_workers`` checked: needed by ``init`` to size the per-worker shards (1 when local)."""
+    if axis_name is None:
+        if num_workers is None or (base.check_positive_int(num_workers, "num_workers") == 1):
+            return 1
+        raise ValueError(
+            f"`{caller}` with axis_name=None runs on one worker without communicating, so "
+            f"`num_workers` must be None or 1; got {num_workers!r}. Give the data axis "
+            "(axis_name='data') to split the momentum over the workers."
+        )
     if num_workers is None:
         raise ValueError(
             f"`{caller}` needs `num_workers`, the size of the axis it runs over: each worker keeps "
-            "the momentum of 1/num_workers of the matrices, and `init` sizes those shards."
+            "the momentum of 1/num_workers of the matrices, and `init` sizes those shards "
+            "(or axis_name=None: one worker, no communication)."
         )
     return base.check_positive_int(num_workers, "num_workers")
+
+
+def check_replicated_params(params: Any, axis_name: base.AxisName | None, caller: str, name: str) -> None:
+    """Rejects parameters typed per-worker (varying over ``axis_name`` under ``shard_map(check_vma=True)``).
+
+    The updates are the same on every worker, so per-worker parameters would
+    keep their differences forever. Nothing is tracked under ``vmap``: there
+    the mistake cannot be seen. ``name`` names the algorithm in the message.
+    """
+    if axis_name is None or params is None:
+        return
+    bad = [
+        jax.tree_util.keystr(path)
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+        if comm.is_varying(x, axis_name)
+    ]
+    if bad:
+        raise ValueError(
+            f"`{caller}` got per-worker parameters (varying over {axis_name!r}: "
+            f"{', '.join(bad[:4])}), e.g. from data_parallel_step(..., per_worker_params=True). Its "
+            "updates are the same on every worker, so the workers' differences would never be "
+            f"reconciled. Use axis_name=None for a local {name}, e.g. as DiLoCo's inner "
+            "optimizer, or replicated parameters."
+        )
 
 
 # ----------------------------------------------------------------------------
@@ -404,7 +470,7 @@ def owned_means(
     updates: Any,
     spec: Any,
     n: int,
-    axis_name: base.AxisName,
+    axis_name: base.AxisName | None,
     invariant_updates: str,
     caller: str,
     arg: str,
@@ -412,9 +478,14 @@ def owned_means(
     """The mean over the workers of the shares this worker owns, by ONE reduce-scatter per dtype.
 
     Leaves that arrive already reduced (typed invariant under shard_map) are
-    first turned into per-worker shares (``invariant_updates``).
+    first turned into per-worker shares (``invariant_updates``). With
+    ``axis_name=None`` (``n == 1``) the updates are this worker's own and
+    nothing is exchanged.
     """
-    updates = comm.per_worker_share(updates, axis_name, invariant_updates=invariant_updates, caller=caller)
+    if axis_name is not None:
+        updates = comm.per_worker_share(
+            updates, axis_name, invariant_updates=invariant_updates, caller=caller
+        )
     leaves, treedef = jax.tree.flatten(updates)
     plan = make_plan(updates, spec, n, caller=caller, arg=arg)
     rows = [stack_group(leaves, plan.views, g, n) for g in plan.groups]
@@ -424,7 +495,7 @@ def owned_means(
 
 
 def gather_results(
-    owned: Owned, per_group: Sequence[jax.Array], axis_name: base.AxisName, *, caller: str
+    owned: Owned, per_group: Sequence[jax.Array], axis_name: base.AxisName | None, *, caller: str
 ) -> tuple[list[jax.Array], list[Any]]:
     """ONE all-gather of the owners' ``per_group`` results and the dense chunks.
 

@@ -110,6 +110,7 @@ class _Label(NamedTuple):
     owner: str
     field: str
     rule: str | None
+    note: str = ""  # the state class's RESHARD_NOTE: why it has no rule, and what to do instead
 
 
 def _labels(state: Any) -> Any:
@@ -124,7 +125,8 @@ def _labels(state: Any) -> Any:
         out = []
         for field in node._fields:
             rule = base.reshard_rule(cls, field) or (base.REDERIVE_KEY if field in _KEY_FIELDS else None)
-            inner = ctx if rule is None and ctx.rule is not None else _Label(cls.__name__, field, rule)
+            note = getattr(cls, "RESHARD_NOTE", "")
+            inner = ctx if rule is None and ctx.rule is not None else _Label(cls.__name__, field, rule, note)
             out.append(walk(getattr(node, field), inner))
         return cls(*out)
 
@@ -292,7 +294,9 @@ def _reshard_leaf(x: Any, want: Any, per_worker: bool, label: _Label, path: str,
     where = f"{label.owner}.{label.field}" if label.owner else "outside any state class"
     raise ValueError(
         f"`opt_state` leaf {path} ({where}) is per-worker, and there is no rule to regroup it from "
-        f"{n} to {m} workers without changing what it means. Supported per-worker fields: "
+        f"{n} to {m} workers without changing what it means."
+        + (f" {label.note}" if label.note else "")
+        + " Supported per-worker fields: "
         + ", ".join(base.reshard_rule_names())
         + " and per-worker PRNG keys."
     )
