@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
+from jaxopt_dist._src import dion as dion_mod
 from tests import helpers
 
 P = jax.sharding.PartitionSpec
@@ -21,6 +22,7 @@ P = jax.sharding.PartitionSpec
 SHAPES = {"tall": (8, 4), "wide": (4, 8), "square": (5, 5), "conv": (2, 3, 4), "b": (4,)}
 MU, EPS = 0.9, 1e-8
 SMALL = {"tall": (8, 4), "square": (5, 5), "b": (4,)}  # one of each kind, for quicker compilations
+FLAT = {k: s for k, s in SHAPES.items() if k != "conv"}  # every orientation, no reshape
 
 
 def _grads_seq(T, n, seed=0, shapes=SHAPES):
@@ -58,12 +60,14 @@ def np_plan(shapes, rf, k=1, masked=()):
 
 
 def np_dion(grads, q0, shapes, *, rf, k=1, mu=MU, eps=EPS, masked=()):
-    """Dion over T steps; ``grads[t][w][i]``; ``q0`` the initial Q of each matrix leaf (in order).
+    """Dion over T steps; ``grads[t][w][i]``; ``q0`` the initial Q of each matrix leaf (in order);
+    ``mu`` a float or a schedule.
 
     Returns the outputs of every step (leaf layout), the final momenta ``M[w][i]`` (leaf layout, None
     off matrices) and the final Q's.
     """
     T, n = len(grads), len(grads[0])
+    mus = [float(mu(t)) if callable(mu) else mu for t in range(T)]
     plans = np_plan(shapes, rf, k, masked)
     mats = [i for i, p in enumerate(plans) if p is not None]
     Q = {i: np.asarray(q, np.float64) for i, q in zip(mats, q0)}
@@ -90,7 +94,7 @@ def np_dion(grads, q0, shapes, *, rf, k=1, mu=MU, eps=EPS, masked=()):
             fb = big_p @ big_r.T
             fb = fb.T if pl["transposed"] else fb
             for w in range(n):
-                M[w][i] = B[w] - (1 - mu) * fb
+                M[w][i] = B[w] - (1 - mus[t]) * fb
             Q[i] = big_r / (np.linalg.norm(big_r, axis=0, keepdims=True) + eps)
             d = big_p @ Q[i].T
             d = d.T if pl["transposed"] else d
@@ -129,91 +133,104 @@ def _reference(kwargs, grads_seq, params, masked=()):
 TOL = dict(rtol=2e-4, atol=2e-5)
 
 
-def _check(kwargs, backend, n, T=4, seed=0, grads=None):
-    grads = _grads_seq(T, n, seed) if grads is None else grads
-    params = _zeros()
-    updates, _, state = helpers.run_steps(jd.scale_by_dion(**kwargs), grads, params, backend=backend)
+def _assert_matches(kwargs, grads, params, updates, momentum, q):
+    """One run against ``np_dion``: ``updates`` leaves ``(T, ...)``, ``momentum`` leaves stacked over
+    the workers of ``grads``, ``q`` one copy."""
     want, want_m, want_q = _reference(kwargs, grads, params)
-    leaves = [np.asarray(x) for x in jax.tree.leaves(updates)]
-    for t in range(T):
-        for i, x in enumerate(leaves):
-            np.testing.assert_allclose(x[t], want[t][i], err_msg=f"step {t} leaf {i}", **TOL)
-    got_m = jax.tree.leaves(state.momentum)
+    for i, x in enumerate(jax.tree.leaves(updates)):
+        for t in range(len(want)):
+            np.testing.assert_allclose(np.asarray(x)[t], want[t][i], err_msg=f"step {t} leaf {i}", **TOL)
+    got_m = jax.tree.leaves(momentum)
     mat_idx = [i for i, m in enumerate(want_m[0]) if m is not None]
-    for w in range(n):
+    for w in range(len(want_m)):
         for j, i in enumerate(mat_idx):
             np.testing.assert_allclose(np.asarray(got_m[j])[w], want_m[w][i], err_msg=f"M {w} {i}", **TOL)
-    assert_q_close([np.asarray(q)[0] for q in state.q], want_q, **TOL)
-    for q in state.q:
-        helpers.assert_replicas_equal(q)
-    return updates, state
+    assert_q_close([np.asarray(x) for x in q], want_q, **TOL)
 
 
-@pytest.mark.parametrize("backend", helpers.BACKENDS)
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_matches_numpy_reference(backend, n):
+def test_matches_numpy_reference_with_the_zero_guard_and_linear_in_the_workers():
     # Compressed (tall, wide, conv), dense by the size rule (square) and mean (b) leaves together.
-    _check({"rank_fraction": 0.5, "mu": MU}, backend, n)
-
-
-def test_full_rank_dense_path_matches_reference_and_momentum_is_muons():
-    # rank_fraction=1: every matrix is dense; at full rank P R^T = B, so M_t = mu B_t with
-    # B_t = mu B_{t-1} + mean G_t (Muon's momentum).
-    n, T = 2, 4
-    grads = _grads_seq(T, n, seed=1)
-    _, state = _check({"mu": MU}, "vmap", n, T=T, grads=grads)
-    for k in ("tall", "wide", "square", "conv"):
-        b = np.zeros(SHAPES[k])
-        for t in range(T):
-            b = MU * b + grads[k][t].astype(np.float64).mean(axis=0)
-        m = np.asarray(state.momentum[k])
-        helpers.assert_replicas_equal(m)
-        np.testing.assert_allclose(m[0], MU * b, rtol=1e-4, atol=1e-5, err_msg=k)
-
-
-def test_compressed_map_is_linear_in_the_workers_momenta():
-    # With the compressed exchange, the outputs and mean_i M_i evolve exactly as one-worker Dion
-    # fed the mean gradient.
+    # Step 0: every worker's gradient is zero (P = 0, R = Q_old: no update, Q normalized); step 1:
+    # worker 0's alone is zero (no special case). The shard_map backend (replication proven by
+    # out_specs) is covered by the optimizer's reference test below.
     n, T = 3, 4
-    shapes = {"tall": (8, 4), "wide": (4, 8)}
     kwargs = {"rank_fraction": 0.5, "mu": MU}
-    grads = _grads_seq(T, n, seed=2, shapes=shapes)
-    mean = jax.tree.map(lambda g: g.mean(axis=1, keepdims=True), grads)
-    params = _zeros(shapes)
-    assert set(jax.tree.leaves(jd.dion_leaves(params, rank_fraction=0.5))) == {"compressed"}
-    u_many, _, s_many = helpers.run_steps(jd.scale_by_dion(**kwargs), grads, params, backend="vmap")
-    u_one, _, s_one = helpers.run_steps(jd.scale_by_dion(**kwargs), mean, params, backend="vmap")
-    helpers.assert_trees_close(u_many, u_one, rtol=1e-4, atol=1e-5)
-    m_many = jax.tree.map(lambda m: np.asarray(m).mean(axis=0), s_many.momentum)
-    helpers.assert_trees_close(m_many, jax.tree.map(lambda m: m[0], s_one.momentum), rtol=1e-4, atol=1e-5)
-    # ... while the workers' own momenta differ.
-    assert not np.allclose(np.asarray(s_many.momentum["tall"])[0], np.asarray(s_many.momentum["tall"])[1])
-
-
-def test_zero_gradients_no_nan_and_the_documented_guard():
-    # Step 0: every worker's gradient is zero (P = 0, R = Q_old: no update, Q normalized);
-    # step 1: worker 0's alone is zero (no special case); step 2: all nonzero.
-    n, T = 3, 3
     grads = _grads_seq(T, n, seed=3)
     for g in grads.values():
         g[0] = 0.0
         g[1, 0] = 0.0
-    kwargs = {"rank_fraction": 0.5, "mu": MU}
-    updates, _ = _check(kwargs, "vmap", n, T=T, grads=grads)
+    params = _zeros()
+    updates, _, state = helpers.run_steps(jd.scale_by_dion(**kwargs), grads, params, backend="vmap")
+    for q in state.q:
+        helpers.assert_replicas_equal(q)
+    _assert_matches(kwargs, grads, params, updates, state.momentum, [q[0] for q in state.q])
     for k, u in updates.items():
         u = np.asarray(u)
         assert np.all(np.isfinite(u)) and np.all(u[0] == 0), k
         assert np.abs(u[2]).sum() > 0, k
-    # One step from a fresh state on zeros: M stays zero, Q is the initial Q with unit columns.
-    tx = jd.scale_by_dion(**kwargs)
+    # The map is linear in the B_i: the outputs and mean_i M_i evolve exactly as one-worker Dion fed
+    # the mean gradient ...
+    mean = jax.tree.map(lambda g: g.mean(axis=1, keepdims=True), grads)
+    mean_m = jax.tree.map(lambda m: np.asarray(m).mean(axis=0, keepdims=True), state.momentum)
+    _assert_matches(kwargs, mean, params, updates, mean_m, [q[0] for q in state.q])
+    # ... while the workers' own momenta differ.
+    assert not np.allclose(np.asarray(state.momentum["tall"])[0], np.asarray(state.momentum["tall"])[1])
+
+
+def test_local_mode_is_one_worker_with_no_communication():
+    # axis_name=None on two workers (vmap, per-worker): worker 0 gives exactly what a bound one-worker
+    # run gives, worker 1 (all-zero gradients) stays at zero with no NaN: nothing is exchanged.
+    T = 3
+    kwargs = {"rank_fraction": 0.5, "mu": MU}
+    grads = _grads_seq(T, 2, seed=4, shapes=SMALL)
+    for g in grads.values():
+        g[:, 1] = 0.0
     params = _zeros(SMALL)
-    out, state = jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(params)), axis_name="data"))(
-        jax.tree.map(lambda x: np.zeros((2, *x.shape), np.float32), params)
-    )
-    assert all(np.all(np.asarray(m) == 0) for m in jax.tree.leaves(state.momentum))
-    for q0, q in zip(tx.init(params).q, state.q):
-        want = np.asarray(q0) / (np.linalg.norm(np.asarray(q0), axis=0) + EPS)
-        np.testing.assert_allclose(np.asarray(q)[0], want, rtol=1e-6)
+    local = jd.scale_by_dion(**kwargs, axis_name=None)
+    u_loc, _, s_loc = helpers.run_steps(local, grads, params, backend="vmap", per_worker_params=True)
+    # The bound one-worker run goes through optax.inject_hyperparams (with the shape-setting
+    # arguments static), which changes nothing.
+    one = jax.tree.map(lambda g: g[:, :1], grads)
+    injected = optax.inject_hyperparams(
+        jd.scale_by_dion, static_args=("rank_fraction", "rank_multiple_of", "seed")
+    )(**kwargs)
+    u_one, _, s_one = helpers.run_steps(injected, one, params, backend="vmap")
+    assert isinstance(s_one.inner_state, jd.DionState)
+    s_one = s_one.inner_state
+    _assert_matches(kwargs, one, params, u_one, s_one.momentum, [q[0] for q in s_one.q])
+    worker = lambda tree, w: jax.tree.map(lambda x: np.asarray(x)[w], tree)  # noqa: E731
+    # (to rounding: the QR's of a batch of two and of one round differently)
+    helpers.assert_trees_close(jax.tree.map(lambda u: u[:, 0], u_loc), u_one, rtol=1e-5, atol=1e-6)
+    helpers.assert_trees_close(worker(s_loc, 0), worker(s_one, 0), rtol=1e-5, atol=1e-6)
+    assert all(np.all(np.asarray(u)[:, 1] == 0) for u in jax.tree.leaves(u_loc))
+    assert all(np.all(np.asarray(m)[1] == 0) for m in jax.tree.leaves(s_loc.momentum))
+    # The guard: Q is the initial Q with unit columns.
+    for q0, q in zip(local.init(params).q, s_loc.q):
+        want = np.asarray(q0) / np.linalg.norm(np.asarray(q0), axis=0)
+        np.testing.assert_allclose(np.asarray(q)[1], want, rtol=1e-6)
+    # No collectives: it traces with no axis bound, and the whole optimizer costs nothing.
+    jax.eval_shape(lambda g: local.update(g, local.init(g)), params)
+    tx = jd.dion(0.01, rank_fraction=0.5, axis_name=None)
+    cost = jd.communication_cost(tx, params, num_workers=4, steps=1)
+    assert cost.calls == 0 and not cost.steps[0].collectives
+
+
+def test_full_rank_dense_path_with_a_mu_schedule_has_muons_momentum():
+    # rank_fraction=1: every matrix is dense; at full rank P R^T = B, so M_t = mu_t B_t with
+    # B_t = M_{t-1} + mean G_t (Muon's momentum), here with a scheduled mu.
+    n, T = 2, 3
+    sched = lambda c: jnp.where(c < 1, 0.9, 0.5)  # noqa: E731
+    kwargs = {"mu": sched}
+    grads = _grads_seq(T, n, seed=1, shapes=FLAT)
+    params = _zeros(FLAT)
+    updates, _, state = helpers.run_steps(jd.scale_by_dion(**kwargs), grads, params, backend="vmap")
+    _assert_matches(kwargs, grads, params, updates, state.momentum, [q[0] for q in state.q])
+    for k in ("tall", "wide", "square"):
+        m = np.zeros(FLAT[k])
+        for t in range(T):
+            m = float(sched(t)) * (m + grads[k][t].astype(np.float64).mean(axis=0))
+        helpers.assert_replicas_equal(state.momentum[k])
+        np.testing.assert_allclose(np.asarray(state.momentum[k])[0], m, rtol=1e-4, atol=1e-5, err_msg=k)
 
 
 # ----------------------------------------------------------------------------
@@ -231,18 +248,19 @@ def test_rank_rounding_orientation_and_switch():
     assert kinds == {"a": "compressed", "c": "compressed", "s": "dense", "v": "mean"}
     # ceil(0.3 * 8) = 3; multiples of 2: 4; of 16: clipped to 8 (and then dense: no gain).
     for k, want in ((1, 3), (2, 4), (16, 8)):
-        state = jd.scale_by_dion(0.3, rank_multiple_of=k).init(params)
+        state = jax.eval_shape(jd.scale_by_dion(0.3, rank_multiple_of=k).init, params)
         # Q is (shorter side, r), one per matrix leaf in leaf order (a, c, s).
         assert [q.shape for q in state.q] == [(8, want), (8, want), (4, min(4, 2 if k == 1 else k))]
     assert jd.dion_leaves(params, rank_fraction=0.3, rank_multiple_of=16)["a"] == "dense"
     assert jd.dion_leaves(params, rank_fraction=1.0)["a"] == "dense"  # full rank: always dense
     # Orientation by shape: P along the longer side, a square matrix in PyTorch's layout (B~ = K^T).
-    plan = jd._plan(jax.tree.leaves(params), [False] * 4, 0.3, 1)
+    plan = dion_mod._plan(jax.tree.leaves(params), [False] * 4, 0.3, 1)
     assert [(p.a, p.b, p.transpose) for p in plan[:3]] == [(16, 8, False), (12, 8, True), (4, 4, True)]
     # scalar_mask sends a matrix to the mean, as a tree or a callable; the state follows.
     masked = jd.dion_leaves(params, rank_fraction=0.3, scalar_mask=lambda p: {k: k == "a" for k in p})
     assert masked["a"] == "mean"
-    state = jd.scale_by_dion(0.3, scalar_mask={"a": True, "c": False, "s": False, "v": False}).init(params)
+    tx = jd.scale_by_dion(0.3, scalar_mask={"a": True, "c": False, "s": False, "v": False})
+    state = jax.eval_shape(tx.init, params)
     assert isinstance(state.momentum["a"], optax.MaskedNode) and len(state.q) == 2
 
 
@@ -289,20 +307,19 @@ def np_dion_optimizer(grads, params0, q0, lr, *, rf, mu, wd, eps=1e-8, masked=()
     return x
 
 
-@pytest.mark.parametrize("backend,n", [("vmap", 2), ("shard_map", 3)])
-def test_dion_optimizer_matches_reference(backend, n):
-    T = 4
+def test_dion_optimizer_matches_reference():
+    # Under shard_map(check_vma=True), where run_steps proves the updates and parameters replicated
+    # (out_specs=P()); vmap runs the same numbers in the tests above.
+    n, T = 3, 3
     rng = np.random.default_rng(5)
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-    grads = _grads_seq(T, n, seed=6)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in FLAT.items()}
+    grads = _grads_seq(T, n, seed=6, shapes=FLAT)
     lr = optax.linear_schedule(0.1, 0.02, T)
     # "tall" goes to AdamW by the mask, as an embedding would.
     tx = jd.dion(
         lr, rank_fraction=0.5, mu=MU, weight_decay=0.1, scalar_mask=lambda p: {k: k == "tall" for k in p}
     )
-    # run_steps checks the updates and params bit-identical on every worker (vmap: at every step;
-    # shard_map: proven by out_specs=P()).
-    _, final, _ = helpers.run_steps(tx, grads, params, backend=backend)
+    _, final, _ = helpers.run_steps(tx, grads, params, backend="shard_map")
     leaves = jax.tree.leaves(params)
     masked = (jax.tree.structure(params).flatten_up_to({k: k == "tall" for k in params}).index(True),)
     q0 = [np.asarray(q) for q in tx.init(params)[0].q]
@@ -313,17 +330,8 @@ def test_dion_optimizer_matches_reference(backend, n):
         np.testing.assert_allclose(np.asarray(got), w, rtol=1e-4, atol=1e-5, err_msg=k)
 
 
-def test_custom_scalar_optimizer_sees_the_mean_gradient():
-    n = 2
-    grads = _grads_seq(1, n, seed=7, shapes=SMALL)
-    params = _zeros(SMALL)
-    tx = jd.dion(0.1, rank_fraction=0.5, weight_decay=0.0, scalar_optimizer=optax.sgd(1.0))
-    updates, _, _ = helpers.run_steps(tx, grads, params, backend="vmap")
-    np.testing.assert_allclose(np.asarray(updates["b"])[0], -grads["b"][0].mean(axis=0), rtol=1e-6)
-
-
 # ----------------------------------------------------------------------------
-# Sharded parameters.
+# Data-parallel training: sharded parameters, per-worker parameters, DiLoCo's inner optimizer.
 
 
 def _mlp_loss(p, b):
@@ -331,8 +339,7 @@ def _mlp_loss(p, b):
     return jnp.mean(jnp.sum((h @ p["w2"] + p["b2"][None] - b["y"]) ** 2, axis=-1))
 
 
-@pytest.mark.devices(4)
-def test_sharded_params_match_replicated():
+def _mlp_problem(steps):
     rng = np.random.default_rng(0)
     params = {
         "w1": (rng.standard_normal((8, 16)) / np.sqrt(8)).astype(np.float32),
@@ -340,13 +347,13 @@ def test_sharded_params_match_replicated():
         "w2": (rng.standard_normal((16, 8)) / 4).astype(np.float32),
         "b2": np.zeros(8, np.float32),
     }
-    batches = [
-        {
-            "x": rng.standard_normal((8, 8)).astype(np.float32),
-            "y": rng.standard_normal((8, 8)).astype(np.float32),
-        }
-        for _ in range(3)
-    ]
+    batches = [{k: rng.standard_normal((8, 8)).astype(np.float32) for k in ("x", "y")} for _ in range(steps)]
+    return params, batches
+
+
+@pytest.mark.devices(4)
+def test_sharded_params_match_replicated():
+    params, batches = _mlp_problem(3)
     specs = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None), "b2": P()}
     assert set(jax.tree.leaves(jd.dion_leaves(params, rank_fraction=0.25))) == {"compressed", "mean"}
 
@@ -368,29 +375,55 @@ def test_sharded_params_match_replicated():
         assert spec == ("data", *specs[k], *(None,) * (2 - len(specs[k]))), m.sharding.spec
 
 
+def test_per_worker_params_need_a_local_dion():
+    # Dion's updates are replicated: per-worker parameters would never be reconciled.
+    params, batches = _mlp_problem(1)
+    mesh = helpers.make_mesh(2)
+    step = jd.data_parallel_step(
+        _mlp_loss, jd.dion(0.02, rank_fraction=0.25), mesh=mesh, per_worker_params=True
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"`scale_by_dion` got per-worker parameters \(varying over 'data'.*axis_name=None for a local Dion",
+    ):
+        p, s = step.init(params)
+        step(p, s, batches[0])
+
+
+@pytest.mark.parametrize("muloco", [False, True], ids=["diloco", "muloco"])
+def test_local_dion_as_diloco_inner_optimizer(muloco):
+    params, batches = _mlp_problem(4)
+    inner = jd.dion(0.02, rank_fraction=0.25, axis_name=None)
+    # MuLoCo quantizes the matrices (its skip_norm_quantization sends the biases dense).
+    matrices = lambda leaves: [np.ndim(x) >= 2 for x in leaves]  # noqa: E731
+    aggregate = jd.statistical_quantize(2, mask=matrices) if muloco else None
+    tx = jd.diloco(inner, sync_every=2, aggregate=aggregate)
+    step = jd.data_parallel_step(_mlp_loss, tx, mesh=helpers.make_mesh(2), per_worker_params=True)
+    mask = step.placement(params).per_worker
+    assert not any(jax.tree.leaves(mask.anchor))  # replicated
+    dion_mask = mask.inner_state[0]
+    assert all(jax.tree.leaves((dion_mask.momentum, dion_mask.q)))  # Dion's M and Q: per-worker
+    p, s = step.init(params)
+    for t, batch in enumerate(batches):
+        p, s, _ = step(p, s, batch)
+        local = [np.asarray(x) for x in jax.tree.leaves(p)]
+        assert all(np.all(np.isfinite(x)) for x in local)
+        # The workers drift apart between synchronisations and start again from the anchor (to
+        # rounding: each adds the update new anchor - x_i to its own x_i).
+        synced = t % 2 == 1
+        assert all(np.allclose(x[0], x[1], rtol=1e-6, atol=1e-7) for x in local) == synced, t
+    helpers.assert_trees_close(jax.tree.map(lambda x: np.asarray(x)[0], p), s.anchor, rtol=1e-6, atol=1e-7)
+    assert not any(any(x.sharding.spec) for x in jax.tree.leaves(s.anchor))  # placed replicated
+
+
 # ----------------------------------------------------------------------------
 # optax contract and bad inputs.
 
 
-def test_contract_bf16_one_compilation_and_inject_hyperparams():
+def test_contract_bf16_one_compilation():
+    # (inject_hyperparams: in the local-mode test; a scheduled mu: in the full-rank test)
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in SMALL.items()}
     helpers.check_bf16_contract(jd.dion(0.01, rank_fraction=0.5), params, steps=2, replicated=True)
-    grads = _grads_seq(2, 2, seed=8, shapes=SMALL)
-    injected = optax.inject_hyperparams(
-        jd.scale_by_dion, static_args=("rank_fraction", "rank_multiple_of", "seed")
-    )(0.5, mu=0.9)
-    got, _, state = helpers.run_steps(injected, grads, _zeros(SMALL), backend="vmap")
-    want, _, _ = helpers.run_steps(jd.scale_by_dion(0.5, mu=0.9), grads, _zeros(SMALL), backend="vmap")
-    helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
-    # A schedule for mu, at full rank where M_t = mu_t B_t: M_1 = 0.5 (0.9 G_0 + G_1) (mean gradients).
-    sched = lambda c: jnp.where(c < 1, 0.9, 0.5)  # noqa: E731
-    _, _, s = helpers.run_steps(jd.scale_by_dion(1.0, mu=sched), grads, _zeros(SMALL), backend="vmap")
-    for k in ("tall", "square"):
-        g = grads[k].astype(np.float64).mean(axis=1)
-        np.testing.assert_allclose(
-            np.asarray(s.momentum[k])[0], 0.5 * (0.9 * g[0] + g[1]), rtol=1e-4, atol=1e-5
-        )
-    assert isinstance(state.inner_state, jd.DionState)
 
 
 def test_invariant_updates_are_taken_as_the_sum():
@@ -402,36 +435,41 @@ def test_invariant_updates_are_taken_as_the_sum():
     tx = jd.scale_by_dion(0.5)
     params = _zeros(shapes)
 
-    def per_worker(g):
-        return tx.update(g, tx.init(params))[0]
+    def both(g):
+        per_worker = tx.update(g, tx.init(params))[0]
+        summed = tx.update(jax.lax.psum(g, "data"), tx.init(params))[0]
+        return per_worker, summed
 
-    def summed(g):
-        return tx.update(jax.lax.psum(g, "data"), tx.init(params))[0]
-
-    want = helpers.run_on_workers(per_worker, grads, backend="shard_map")
-    got = helpers.run_on_workers(summed, grads, backend="shard_map")
+    want, got = helpers.run_on_workers(both, grads, backend="shard_map")
     helpers.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_float0_leaves_pass_through():
-    def step(w, c, x):
-        p = {"w": w, "z": c}
-        loss = lambda p: jnp.sum(jnp.tanh(p["w"] * x)) * (1 + 0 * p["z"]).astype(jnp.float32)  # noqa: E731
+def test_float0_leaves_pass_through_and_the_scalar_optimizer_sees_the_mean_gradient():
+    def step(w, c, x, y):
+        p = {"w": w, "b": jnp.zeros(4), "z": c}
+
+        def loss(p):
+            out = jnp.sum(jnp.tanh(p["w"] * x)) + jnp.sum(p["b"] * y)
+            return out * (1 + 0 * p["z"]).astype(jnp.float32)
+
         g = jax.grad(loss, allow_int=True)(p)
-        tx = jd.dion(0.1, rank_fraction=0.5)
+        tx = jd.dion(0.1, rank_fraction=0.5, weight_decay=0.0, scalar_optimizer=optax.sgd(1.0))
         out, _ = tx.update(g, tx.init(p), p)
         assert out["z"].dtype == jax.dtypes.float0
-        return out["w"]
+        return out["w"], out["b"]
 
     rng = np.random.default_rng(0)
     w = np.broadcast_to(rng.standard_normal((8, 4)).astype(np.float32), (2, 8, 4))
-    out = helpers.run_on_workers(
-        step, w, np.full((2,), 7, np.int32), rng.standard_normal((2, 8, 4)), backend="vmap"
+    y = rng.standard_normal((2, 4)).astype(np.float32)
+    out, b = helpers.run_on_workers(
+        step, w, np.full((2,), 7, np.int32), rng.standard_normal((2, 8, 4)), y, backend="vmap"
     )
     assert np.all(np.isfinite(np.asarray(out))) and np.abs(np.asarray(out)).sum() > 0
+    np.testing.assert_allclose(np.asarray(b), -y.mean(axis=0), rtol=1e-6)
 
 
 def test_bad_inputs():
+
     with pytest.raises(ValueError, match=r"`rank_fraction` must lie in \(0, 1\]; got 0"):
         jd.scale_by_dion(0.0)
     with pytest.raises(ValueError, match=r"`rank_fraction` must lie in \(0, 1\]; got 1.5"):

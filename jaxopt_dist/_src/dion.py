@@ -17,12 +17,15 @@ momentum ``M_i`` and gradient ``G_i`` and the replicated factor ``Q``:
 
 A matrix for which the exchange of ``P`` and ``R`` saves nothing (or every
 matrix when ``rank_fraction == 1``) has its gradient averaged instead, and the
-same steps run on identical data without further communication.
+same steps run on identical data without further communication. With
+``axis_name=None`` there is one worker and no collective at all: a local Dion,
+e.g. as DiLoCo's inner optimizer on per-worker parameters.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +34,7 @@ import numpy as np
 import optax
 
 from jaxopt_dist._src import base, comm
+from jaxopt_dist._src import orthonormal as ortho
 
 __all__ = ["DionState", "dion", "dion_leaves", "scale_by_dion"]
 
@@ -164,6 +168,81 @@ def _normalize_columns(r: jax.Array, eps: Any) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------
+# One step.
+
+
+class _Step(NamedTuple):
+    """One step's inputs, flat in leaf order."""
+
+    leaves: list[Any]  # the updates (gradients)
+    momentum: list[Any]  # M, MaskedNode off matrices
+    q: dict[int, jax.Array]  # leaf index -> Q
+    mu: Any
+    eps: Any
+
+
+def _b(m: jax.Array, g: jax.Array) -> jax.Array:
+    """``B = M + G`` in at least float32."""
+    ct = base.accumulation_dtype(jnp.result_type(g))
+    return m.astype(ct) + g.astype(ct)
+
+
+def _finish(
+    s: _Step, p: _Leaf, b: jax.Array, big_p: jax.Array, big_r: jax.Array, zero: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Guard, error feedback, new Q and output of one matrix leaf: ``(output, M, Q)``."""
+    q_old = s.q[p.index]
+    ct = b.dtype
+    big_p = jnp.where(zero, jnp.zeros_like(big_p), big_p)
+    big_r = jnp.where(zero, q_old.astype(ct), big_r)
+    shape = np.shape(s.leaves[p.index])
+    feedback = _unoriented(big_p @ big_r.T, p, shape)
+    m = (b - (1 - jnp.asarray(s.mu, ct)) * feedback).astype(jnp.result_type(s.momentum[p.index]))
+    q = _normalize_columns(big_r, s.eps)
+    direction = _unoriented(big_p @ q.T, p, shape)
+    out = jnp.asarray(math.sqrt(p.d_out / p.d_in), ct) * direction
+    return out.astype(jnp.result_type(s.leaves[p.index])), m, q.astype(q_old.dtype)
+
+
+def _dense(s: _Step, p: _Leaf, g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Dion on a dense leaf's mean gradient ``g``, with no more communication."""
+    b = _b(s.momentum[p.index], g)
+    bt = _oriented(b, p)
+    x = bt @ s.q[p.index].astype(b.dtype)
+    big_p = _orth(x)
+    return _finish(s, p, b, big_p, bt.T @ big_p, jnp.all(x == 0))
+
+
+_Exchange = Callable[[list[jax.Array]], list[jax.Array]]
+
+
+def _dion_step(
+    s: _Step, plan: list[_Leaf | None], share: _Exchange, reduce: _Exchange
+) -> tuple[dict[int, tuple[jax.Array, jax.Array, jax.Array]], dict[int, jax.Array]]:
+    """``({matrix leaf: (output, M, Q)}, {other leaf: its mean})``; ``reduce`` is the all-reduce."""
+    comp = [p for p in plan if p is not None and p.compressed]
+    dense = [p for p in plan if p is not None and not p.compressed]
+    means = [i for i, p in enumerate(plan) if p is None]
+    gs = share([s.leaves[p.index] for p in comp])
+    bs = [_b(s.momentum[p.index], g) for p, g in zip(comp, gs)]
+    p_local = [_oriented(b, p) @ s.q[p.index].astype(b.dtype) for p, b in zip(comp, bs)]
+    # All-reduce 1: every compressed P-side product and every averaged gradient.
+    reduced = reduce(p_local + [s.leaves[p.index] for p in dense] + [s.leaves[i] for i in means])
+    c, d = len(comp), len(comp) + len(dense)
+    p_mean, g_dense, g_means = reduced[:c], reduced[c:d], reduced[d:]
+    # Compressed: orthonormalize the mean product, all-reduce 2 for every R.
+    big_ps = [_orth(x) for x in p_mean]
+    r_mean = reduce([_oriented(b, p).T @ bp for p, b, bp in zip(comp, bs, big_ps)]) if comp else []
+    done = {
+        p.index: _finish(s, p, b, bp, r, jnp.all(x == 0))
+        for p, b, bp, r, x in zip(comp, bs, big_ps, r_mean, p_mean)
+    }
+    # Dense: the same steps on the mean gradient.
+    done.update({p.index: _dense(s, p, g) for p, g in zip(dense, g_dense)})
+    return done, dict(zip(means, g_means))
+
+
+# ----------------------------------------------------------------------------
 # The transform.
 
 
@@ -181,6 +260,9 @@ class DionState(NamedTuple):
         depend on them only through their mean.
       q: one ``(b, r)`` array per matrix leaf (in leaf order), ``b`` the
         shorter side of the matrix, in the leaf's dtype; replicated.
+
+    With ``axis_name=None`` (a local Dion) ``momentum`` and ``q`` are
+    per-worker.
     """
 
     count: jax.Array  # int32[], replicated
@@ -220,7 +302,7 @@ def scale_by_dion(
     mu: optax.ScalarOrSchedule = 0.95,
     eps: optax.ScalarOrSchedule = 1e-8,
     seed: int = 0,
-    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    axis_name: base.AxisName | None = base.DEFAULT_AXIS_NAME,
     scalar_mask: Any = None,
     invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
@@ -279,6 +361,16 @@ def scale_by_dion(
     e.g. ``optax.chain(scale_by_dion(0.25), optax.add_decayed_weights(0.01),
     optax.scale_by_learning_rate(0.01))``, or use :func:`dion`.
 
+    **Per-worker parameters.** The output is the same on every worker, so it
+    suits replicated parameters. Under ``jax.shard_map(check_vma=True)``,
+    ``params`` typed varying over ``axis_name`` (e.g.
+    ``data_parallel_step(..., per_worker_params=True)``) raise a
+    ``ValueError``: their differences would never be reconciled (under
+    ``vmap``, or when ``params`` is not passed, this cannot be seen). With
+    ``axis_name=None`` Dion is local: what a one-worker axis computes, with
+    no collectives, e.g. as the inner optimizer of :func:`jaxopt_dist.diloco`
+    on per-worker parameters.
+
     Arithmetic runs in at least float32; updates keep their dtype; ``M`` and
     ``Q`` are stored in the leaf's dtype (the reference's default). ``float0``
     gradient leaves (integer parameters) pass through untouched.
@@ -292,7 +384,10 @@ def scale_by_dion(
         a float or a schedule.
       eps: added to the column norms of :math:`R`; a float or a schedule.
       seed: seed of the initial ``Q``'s.
-      axis_name: the mapped axis (or tuple of axes) of the workers.
+      axis_name: the mapped axis (or tuple of axes) of the workers. None:
+        one worker, no communication (e.g. as DiLoCo's inner optimizer): a
+        one-worker run's maths, with the output, ``momentum`` and ``q``
+        per-worker.
       scalar_mask: None, a pytree of bools like the parameters, or a callable
         taking the parameters (or updates: only their structure and shapes are
         read) and returning one: True marks a matrix leaf to come out as its
@@ -301,7 +396,8 @@ def scale_by_dion(
         ``jax.shard_map(check_vma=True)`` stands for: ``"sum"`` (the gradient of
         replicated parameters, the default) or ``"mean"``; ``"error"``
         rejects it. Dion depends on the workers' gradients only through their
-        mean, so each worker takes its share.
+        mean, so each worker takes its share. Unused when ``axis_name`` is
+        None (the updates are taken as they come).
 
     Returns:
       A :class:`optax.GradientTransformationExtraArgs` whose state is a
@@ -319,7 +415,9 @@ def scale_by_dion(
       (4 sum_C (a + b) r + w sum_{D, S} size)`` bytes, ``2 rank_fraction`` of a
       dense all-reduce for a large square matrix. The output is replicated;
       ``count`` and ``q`` are replicated; ``momentum`` is per-worker on
-      compressed matrices and replicated on dense ones.
+      compressed matrices and replicated on dense ones. With
+      ``axis_name=None``: no collectives; the output, ``momentum`` and ``q``
+      are per-worker (local), ``count`` replicated.
 
     Sharded parameters:
       Decided by shape, so a run with parameters sharded over model axes
@@ -344,7 +442,7 @@ def scale_by_dion(
       <https://arxiv.org/abs/2504.05295>`_, 2025
     """
     name = "scale_by_dion"
-    axis_name = base.validate_axis_name(axis_name)
+    axis_name = base.validate_axis_name(axis_name, allow_none=True)
     rank_fraction = _check_rank_fraction(rank_fraction)
     rank_multiple_of = base.check_positive_int(rank_multiple_of, "rank_multiple_of")
     base.check_hyperparameter(mu, "mu", lower=0.0, upper=1.0)
@@ -374,87 +472,41 @@ def scale_by_dion(
             count=jnp.zeros([], jnp.int32), momentum=jax.tree.unflatten(treedef, momentum), q=tuple(q)
         )
 
+    def reduce(arrays: list[jax.Array]) -> list[jax.Array]:
+        if axis_name is None:
+            return arrays
+        return comm.reduce(arrays, axis_name, flatten=True, caller=name, invariant_updates=invariant_updates)
+
+    def share(arrays: list[jax.Array]) -> list[jax.Array]:
+        # Compressed leaves: each worker's share of the gradient (leaves that arrived already
+        # reduced are split evenly, which is exact since Dion is linear in the B_i).
+        if axis_name is None:
+            return arrays
+        return comm.per_worker_share(arrays, axis_name, invariant_updates=invariant_updates, caller=name)
+
     def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        comm.require_axis(axis_name, name)
+        del extra_args
+        if axis_name is not None:
+            comm.require_axis(axis_name, name)
+        ortho.check_replicated_params(params, axis_name, name, "Dion")
         leaves, treedef = jax.tree.flatten(updates)
         plan = plan_of(updates)
         mats = [p for p in plan if p is not None]
-        comp = [p for p in mats if p.compressed]
-        dense = [p for p in mats if not p.compressed]
-        means = [i for i, p in enumerate(plan) if p is None]
         momentum = treedef.flatten_up_to(state.momentum)
-        q_of = {p.index: q for p, q in zip(mats, state.q)}
-        count = state.count
-        mu_t = base.resolve(mu, count)
-        eps_t = base.resolve(eps, count)
-
-        def reduce(arrays):
-            return comm.reduce(
-                list(arrays), axis_name, flatten=True, caller=name, invariant_updates=invariant_updates
-            )
-
-        # Compressed leaves: each worker's share of the gradient (leaves that arrived
-        # already reduced are split evenly, which is exact since Dion is linear in the B_i).
-        shares = comm.per_worker_share(
-            [leaves[p.index] for p in comp], axis_name, invariant_updates=invariant_updates, caller=name
+        step = _Step(
+            leaves=leaves,
+            momentum=momentum,
+            q={p.index: q for p, q in zip(mats, state.q)},
+            mu=base.resolve(mu, state.count),
+            eps=base.resolve(eps, state.count),
         )
-        b_comp = []
-        p_local = []
-        for p, g in zip(comp, shares):
-            ct = base.accumulation_dtype(jnp.result_type(g))
-            b = momentum[p.index].astype(ct) + g.astype(ct)
-            b_comp.append(b)
-            p_local.append(_oriented(b, p) @ q_of[p.index].astype(ct))
-
-        # All-reduce 1: every compressed P-side product and every averaged gradient.
-        reduced = reduce(p_local + [leaves[p.index] for p in dense] + [leaves[i] for i in means])
-        p_mean = reduced[: len(comp)]
-        g_dense = reduced[len(comp) : len(comp) + len(dense)]
-        g_means = reduced[len(comp) + len(dense) :]
-
-        out: list[Any] = [None] * len(leaves)
-        new_m: list[Any] = list(momentum)
-        new_q: dict[int, jax.Array] = {}
-
-        def finish(p, b, big_p, big_r, zero):
-            """Guard, error feedback, new Q and output of one matrix leaf."""
-            q_old = q_of[p.index]
-            ct = b.dtype
-            big_p = jnp.where(zero, jnp.zeros_like(big_p), big_p)
-            big_r = jnp.where(zero, q_old.astype(ct), big_r)
-            shape = np.shape(leaves[p.index])
-            m_dtype = jnp.result_type(momentum[p.index])
-            feedback = _unoriented(big_p @ big_r.T, p, shape)
-            new_m[p.index] = (b - (1 - jnp.asarray(mu_t, ct)) * feedback).astype(m_dtype)
-            q = _normalize_columns(big_r, eps_t)
-            new_q[p.index] = q.astype(q_old.dtype)
-            scale = math.sqrt(p.d_out / p.d_in)
-            direction = _unoriented(big_p @ q.T, p, shape)
-            out[p.index] = (jnp.asarray(scale, ct) * direction).astype(jnp.result_type(leaves[p.index]))
-
-        # Compressed: orthonormalize the mean product, all-reduce 2 for every R.
-        zeros = [jnp.all(x == 0) for x in p_mean]
-        big_ps = [_orth(x) for x in p_mean]
-        r_mean = reduce([_oriented(b, p).T @ bp for p, b, bp in zip(comp, b_comp, big_ps)]) if comp else []
-        for p, b, bp, r, z in zip(comp, b_comp, big_ps, r_mean, zeros):
-            finish(p, b, bp, r, z)
-
-        # Dense: the same steps on the mean gradient, no more communication.
-        for p, g in zip(dense, g_dense):
-            ct = base.accumulation_dtype(jnp.result_type(g))
-            b = momentum[p.index].astype(ct) + g.astype(ct)
-            bt = _oriented(b, p)
-            x = bt @ q_of[p.index].astype(ct)
-            bp = _orth(x)
-            finish(p, b, bp, bt.T @ bp, jnp.all(x == 0))
-
-        for i, g in zip(means, g_means):
-            out[i] = g
+        done, means = _dion_step(step, plan, share, reduce)
+        out = [means[i] if p is None else done[i][0] for i, p in enumerate(plan)]
+        new_m = [m if p is None else done[i][1] for i, (p, m) in enumerate(zip(plan, momentum))]
         new_state = DionState(
-            count=jnp.asarray(optax.safe_increment(count)),
+            count=jnp.asarray(optax.safe_increment(state.count)),
             momentum=jax.tree.unflatten(treedef, new_m),
-            q=tuple(new_q[p.index] for p in mats),
+            q=tuple(done[p.index][2] for p in mats),
         )
         return jax.tree.unflatten(treedef, out), new_state
 
@@ -484,7 +536,7 @@ def dion(
     scalar_optimizer: optax.GradientTransformation | None = None,
     scalar_mask: Any = None,
     seed: int = 0,
-    axis_name: base.AxisName = base.DEFAULT_AXIS_NAME,
+    axis_name: base.AxisName | None = base.DEFAULT_AXIS_NAME,
     invariant_updates: str = "sum",
 ) -> optax.GradientTransformationExtraArgs:
     r"""The Dion optimizer: Dion on matrices, a scalar optimizer on the mean gradient elsewhere.
@@ -509,11 +561,16 @@ def dion(
 
     The parameters are meant to be replicated (the default of
     :func:`jaxopt_dist.data_parallel_step`): every worker applies the same
-    update, and the weight decay reads its own copy. With per-worker
-    parameters that differ (``per_worker_params=True``) their differences are
-    never reconciled, so that setting is not meaningful. Gradients averaged
-    before :func:`dion` (e.g. after :func:`jaxopt_dist.all_reduce`) give the
-    same updates, only with the exchange wasted.
+    update, and the weight decay reads its own copy. Per-worker parameters
+    (``per_worker_params=True``) would keep their differences forever, so
+    under ``jax.shard_map(check_vma=True)`` parameters typed varying over
+    ``axis_name`` raise a ``ValueError`` (under ``vmap`` nothing tells them
+    apart: that is left to the caller). For per-worker parameters use
+    ``axis_name=None``: a local Dion on each worker, with no communication,
+    e.g. as the inner optimizer of :func:`jaxopt_dist.diloco` (DiLoCo, or
+    MuLoCo with ``aggregate=jaxopt_dist.statistical_quantize(2)``). Gradients
+    averaged before :func:`dion` (e.g. after :func:`jaxopt_dist.all_reduce`)
+    give the same updates, only with the exchange wasted.
 
     Defaults are the reference's (``lr=0.01, mu=0.95, weight_decay=0.01,
     eps=1e-8, rank_fraction=1.0``); its recipes use ``rank_fraction`` 0.25 to
@@ -534,7 +591,10 @@ def dion(
         params -> such a pytree: True sends a matrix leaf to the scalar
         optimizer too.
       seed: seed of the initial ``Q``'s.
-      axis_name: the mapped axis (or tuple of axes) of the workers.
+      axis_name: the mapped axis (or tuple of axes) of the workers. None:
+        one worker, no communication (e.g. as DiLoCo's inner optimizer,
+        ``jd.diloco(jd.dion(0.01, rank_fraction=0.25, axis_name=None),
+        sync_every=H)``, on per-worker parameters).
       invariant_updates: see :func:`scale_by_dion`.
 
     Returns:
@@ -549,7 +609,9 @@ def dion(
       compressed). The scalar optimizer runs on replicated inputs and
       communicates nothing. Outputs, ``count``, ``q`` and the scalar
       optimizer's state are replicated; ``momentum`` is per-worker on
-      compressed matrices.
+      compressed matrices. With ``axis_name=None``: no collectives; the
+      outputs and the states' arrays are per-worker (local), the counts
+      replicated.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
