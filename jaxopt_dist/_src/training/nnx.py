@@ -414,7 +414,8 @@ class DataParallel(runner.RunsSteps):
     ) -> tuple[Any, Any, list[tuple[Any, ...]], list[Any], list[_Leaf]]:
         """``nodes``' graphdef, state treedef, leaf paths, leaf values and layout."""
         graphdef, state = nnx.split(nodes)
-        flat = nnx.to_flat_state(state)
+        # Entries without arrays (optax.MaskedNode in a partitioned optimizer's state) are structure.
+        flat = [(p, v) for p, v in nnx.to_flat_state(state) if jax.tree.leaves(v)]
         paths = [tuple(p) for p, _ in flat]
         variables = [v for _, v in flat]
         values, treedef = jax.tree.flatten(nnx.as_pure(state))
