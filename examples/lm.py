@@ -10,7 +10,8 @@ parameter carries sharding metadata (``nnx.with_partitioning``), so
 optimizer state are sharded four ways (FSDP), the batch is split over all 8
 devices, and the optimizer communicates over the replica axis ``"data"``
 only. ``--tx`` picks the optimizer from :data:`TXS`: dense AdamW, DiLoCo,
-Streaming DiLoCo with a 4-bit outer all-reduce, PowerSGD, DeMo, top-k, local SGD.
+Streaming DiLoCo with a 4-bit outer all-reduce, PowerSGD, DeMo, top-k, local SGD,
+Muon (optax's and ours, distributed), Dion, Dion2.
 
 The text is the standard library's own ``*.py`` files (nothing is
 downloaded), split into training and validation *by file* (a hash of each
@@ -324,6 +325,69 @@ def _muloco(settings: Any) -> optax.GradientTransformation:
     )
 
 
+# Orthonormal updates (Frontier III): the matrices of the blocks get Muon, Dion or Dion2 at
+# --muon-lr; every other leaf, and the embedding, positions and output head (by the Dion paper's
+# recommendation), gets AdamW at --lr (b2 = 0.95, --weight-decay) on the mean gradient. Not clipped:
+# our distributed rows take each worker's own gradient, so a clip could not act on the mean as the
+# AdamW rows' does; the optax row is left unclipped too, so that the two compute the same update.
+def _scalar_adamw(settings: Any) -> optax.GradientTransformation:
+    return optax.adamw(schedule(settings.lr, settings), b1=0.9, b2=0.95, weight_decay=settings.weight_decay)
+
+
+def _muon_kwargs(settings: Any) -> dict[str, Any]:
+    """The arguments ``optax.contrib.muon`` and our distributed Muon share (optax's defaults otherwise)."""
+    return dict(
+        learning_rate=schedule(settings.muon_lr, settings),
+        weight_decay=settings.weight_decay,
+        adam_b2=0.95,
+        adam_weight_decay=settings.weight_decay,
+        adam_learning_rate=schedule(settings.lr, settings),
+        muon_weight_dimension_numbers=_muon_matrices,
+    )
+
+
+def _muon_optax(settings: Any) -> optax.GradientTransformation:
+    return optax.chain(jd.all_reduce(), optax.contrib.muon(**_muon_kwargs(settings)))
+
+
+def _muon(settings: Any) -> optax.GradientTransformation:
+    from jaxopt_dist._src import muon as muon_lib  # not exported yet (issue #43)
+
+    return muon_lib.muon(**_muon_kwargs(settings), num_workers=settings.replicas)
+
+
+def _embeddings(params: Any) -> Any:
+    """True at the leaves :func:`_muon_matrices` leaves to Adam (Dion's ``scalar_mask``)."""
+    dims = _muon_matrices(params)
+    leaves = jax.tree.leaves(
+        dims, is_leaf=lambda d: d is None or isinstance(d, optax.contrib.MuonDimensionNumbers)
+    )
+    return jax.tree.unflatten(jax.tree.structure(params), [d is None for d in leaves])
+
+
+def _dion(settings: Any) -> optax.GradientTransformation:
+    return jd.dion(
+        schedule(settings.muon_lr, settings),
+        rank_fraction=settings.rank_fraction,
+        weight_decay=settings.weight_decay,
+        scalar_optimizer=_scalar_adamw(settings),
+        scalar_mask=_embeddings,
+    )
+
+
+def _dion2(settings: Any) -> optax.GradientTransformation:
+    from jaxopt_dist._src import dion2 as dion2_lib  # not exported yet (issue #43)
+
+    return dion2_lib.dion2(
+        schedule(settings.muon_lr, settings),
+        fraction=settings.dion2_fraction,
+        weight_decay=settings.weight_decay,
+        num_workers=settings.replicas,
+        scalar_optimizer=_scalar_adamw(settings),
+        weight_dimension_numbers=_muon_matrices,
+    )
+
+
 # Adam variants that compress their own messages: eps 1e-4, as their docstrings advise (coordinates
 # whose gradient is always zero, such as the embedding rows of bytes that never occur, would divide by it).
 _EPS_COMPRESSED_ADAM = 1e-4
@@ -409,6 +473,20 @@ TXS: dict[str, Method] = {
         _desloc,
         True,
         "DES-LOC Adam (gradients clipped): parameters every 16, first moment every 48, second every 96",
+    ),
+    "muon_optax": Method(
+        _muon_optax,
+        False,
+        "all-reduce, then optax.contrib.muon at --muon-lr (AdamW at --lr on embeddings and vectors)",
+    ),
+    "muon": Method(
+        _muon, False, "distributed Muon: each replica orthogonalises 1/W of the matrices (optax's numbers)"
+    ),
+    "dion": Method(
+        _dion, False, "Dion at --rank-fraction, --muon-lr (AdamW at --lr on embeddings and vectors)"
+    ),
+    "dion2": Method(
+        _dion2, False, "Dion2: orthogonalise the top --dion2-fraction of each matrix's rows, --muon-lr"
     ),
     "local_sgd": Method(
         lambda s: optax.chain(adamw(s), jd.average_params(every=s.sync_every)),
@@ -846,9 +924,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-every", type=int, default=50, help="H of diloco, streaming_diloco, local_sgd")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov learning rate")
     ap.add_argument("--outer-momentum", type=float, default=0.9)
-    ap.add_argument("--muon-lr", type=float, default=0.02, help="MuLoCo's Muon peak learning rate")
+    ap.add_argument(
+        "--muon-lr",
+        type=float,
+        default=0.02,
+        help="the Muon, Dion and Dion2 (and MuLoCo's) peak learning rate",
+    )
     ap.add_argument("--demo-lr", type=float, default=1e-3, help="DeMo's peak learning rate (sign updates)")
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
+    ap.add_argument("--rank-fraction", type=float, default=0.25, help="Dion's rank / min(d_in, d_out)")
+    ap.add_argument("--dion2-fraction", type=float, default=0.25, help="Dion2's fraction of rows updated")
     ap.add_argument("--density", type=float, default=0.01, help="top_k's fraction of entries sent")
     ap.add_argument("--replicas", type=int, default=2, help="size of the replica axis 'data'")
     ap.add_argument("--fsdp", type=int, default=4, help="size of the model axis 'fsdp'")
