@@ -76,10 +76,10 @@ MUON_LR, DION_LR = 0.02, 0.02
 
 
 def _orth_libs() -> tuple[Any, Any]:
-    from jaxopt_dist._src import dion2 as dion2_lib
-    from jaxopt_dist._src import muon as muon_lib
+    """Where ``muon`` and ``dion2`` come from: the package (``jd.muon``, ``jd.dion2``)."""
+    import jaxopt_dist as jd
 
-    return muon_lib, dion2_lib
+    return jd, jd
 
 
 def _leaf_name(path: tuple) -> str:
