@@ -131,11 +131,12 @@ FAMILIES = {
     "iterate_average": Family(
         lambda: optax.chain(jd.all_reduce(), jd.sgd(LR), jd.iterate_average()), per_worker_state=False
     ),
-    # The orthonormal optimizers: Dion's per-worker momentum (compressed exchange), Muon's and
-    # Dion2's momentum split over the workers (each holds the shares it owns).
+    # The orthonormal optimizers: Dion's per-worker momentum (compressed exchange). Muon and Dion2
+    # split a shape's matrices over the workers only by whole multiples of the worker count: this
+    # model's two matrices (one per shape) are both every worker's own, their momentum replicated.
     "dion": Family(lambda: jd.dion(0.02, rank_fraction=0.5), per_worker_state=True),
-    "muon": Family(lambda: jd.muon(0.02, num_workers=N_WORKERS), per_worker_state=True),
-    "dion2": Family(lambda: jd.dion2(0.02, fraction=0.5, num_workers=N_WORKERS), per_worker_state=True),
+    "muon": Family(lambda: jd.muon(0.02, num_workers=N_WORKERS), per_worker_state=False),
+    "dion2": Family(lambda: jd.dion2(0.02, fraction=0.5, num_workers=N_WORKERS), per_worker_state=False),
 }
 
 

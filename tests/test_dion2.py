@@ -80,9 +80,22 @@ def _np_dion2(grads_seq, params, *, lr, fraction, ef_decay, wd, b1=0.9, b2=0.95,
     return {k: np.stack([u[k] for u in updates]) for k in p}, p, mom
 
 
-def _full_momentum(state, groups_keys, n):
-    """The per-worker momentum shards put back together: one array per group, ``(count, a, b)``."""
-    return [np.asarray(x).reshape(-1, *x.shape[2:]) for x in state[0].momentum]
+def _full_momentum(state, counts, n):
+    """The per-worker momentum shards put back together, then the (replicated) remainder: one
+    array per group of ``counts`` matrices, ``(count, a, b)`` (a field skips the groups it has
+    no matrix of)."""
+    owned, rest = iter(state[0].momentum), iter(state[0].momentum_rest)
+    full = []
+    for c in counts:
+        parts = []
+        if c // n:
+            x = np.asarray(next(owned))
+            parts.append(x.reshape(-1, *x.shape[2:]))
+        if c % n:
+            r = np.asarray(next(rest))
+            parts.append(r[0] if r.ndim == 4 else r)  # stacked by vmap, or placed replicated
+        full.append(np.concatenate(parts))
+    return full
 
 
 def _local_steps(tx, grads_seq, params):
@@ -115,7 +128,7 @@ SPECS = {
 def test_matches_numpy_reference(backend, n):
     """The NumPy reference under vmap, and under shard_map through data_parallel_step with the
     matrices sharded over a model axis ("fsdp"); with n=1 also axis_name=None: the W=1 numbers.
-    (Three workers: the (4, 6) group fills one slot each, the others are padded.)"""
+    (Three workers: the (4, 6) group fills one slot each, the others are remainders.)"""
     params = _params()
     grads = helpers.grads_seq(1, STEPS, n, SHAPES)
     kw = dict(fraction=0.5, ef_decay=0.9, wd=0.05)
@@ -135,12 +148,16 @@ def test_matches_numpy_reference(backend, n):
         helpers.assert_trees_close(
             local[2][0].momentum, tuple(x[0] for x in state[0].momentum), rtol=1e-6, atol=1e-7
         )
+        assert state[0].momentum_rest == () == local[2][0].momentum_rest  # W = 1: no remainder
     helpers.assert_trees_close(updates, ref_updates, rtol=1e-5, atol=1e-6)
     helpers.assert_trees_close(final, ref_final, rtol=1e-5, atol=1e-6)
-    # Groups: (4, 6) x3, (6, 3), (5, 5). Each worker keeps ceil(count / n) matrices of each.
-    mom = state[0].momentum
-    assert [x.shape for x in mom] == [(n, -(-3 // n), 4, 6), (n, 1, 3, 6), (n, 1, 5, 5)]
-    full = _full_momentum(state, None, n)
+    # Groups: (4, 6) x3, (6, 3), (5, 5). Each worker keeps count // n matrices of each; the
+    # count % n others are replicated; a field skips the groups it has no matrix of.
+    owned = [(n, c // n, *s) for c, s in zip((3, 1, 1), ((4, 6), (3, 6), (5, 5))) if c // n]
+    assert [x.shape for x in state[0].momentum] == owned
+    if n == 3:  # placed replicated by data_parallel_step (P()): not stacked over the workers
+        assert [x.shape for x in state[0].momentum_rest] == [(1, 3, 6), (1, 5, 5)]
+    full = _full_momentum(state, (3, 1, 1), n)
     np.testing.assert_allclose(full[0][:3], np.stack([ref_mom[k] for k in "abc"]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(full[1][0], ref_mom["d"], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(full[2][0], ref_mom["sq"], rtol=1e-5, atol=1e-6)
@@ -166,7 +183,10 @@ def test_fraction_one_is_muon_momentum_scalar_optimizer_schedule():
         want = -float(lr(t)) * math.sqrt(4 / 6) * _np_ns(b)
         np.testing.assert_allclose(updates["w"][t], want, rtol=1e-5, atol=1e-6)
     # The state keeps mu * B_t (the selected slices decayed), in the (fan_out, fan_in) layout.
-    np.testing.assert_allclose(state[0].momentum[0][0, 0], mu * b.T, rtol=1e-5, atol=1e-6)
+    # One matrix on two workers: the remainder, replicated (stacked over the workers by vmap).
+    assert state[0].momentum == ()
+    np.testing.assert_allclose(state[0].momentum_rest[0][0, 0], mu * b.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state[0].momentum_rest[0][1, 0], mu * b.T, rtol=1e-5, atol=1e-6)
 
 
 def test_one_reduce_scatter_one_all_gather_none_when_local():
@@ -179,7 +199,9 @@ def test_one_reduce_scatter_one_all_gather_none_when_local():
 
 
 def test_all_gather_carries_the_fraction():
-    """The all-gather returns k slices (and k indices) per owned matrix, not whole matrices."""
+    """The all-gather returns k slices (and k indices) per owned matrix, not whole matrices; the
+    count % n remainder matrices travel whole in the dense chunk, so the reduce-scatter carries
+    exactly the gradient (no padding)."""
     n = 2
     params = {k: jnp.asarray(v) for k, v in _params().items()}
     sizes = {}
@@ -197,8 +219,16 @@ def test_all_gather_carries_the_fraction():
         jax.eval_shape(step, grads, params)
     finally:
         comm.all_gather_packed = real
-    # (4, 6): k = ceil(0.25 * 4) = 1 slice of 6; (6, 3) oriented (3, 6): k = 1; (5, 5): k = 2.
-    assert sizes["gathered"] == [(2, 1, 6), (1, 1, 6), (1, 2, 5), (2, 1), (1, 1), (1, 2), (3,)]
+    # (4, 6) x3: one owned per worker, k = ceil(0.25 * 4) = 1 slice of 6; (6, 3) and (5, 5): one
+    # matrix each, the remainder (no owned slots). Dense chunk: (5 + 1 + 24 + 18 + 25) / 2 -> 37.
+    assert sizes["gathered"] == [(1, 1, 6), (0, 1, 6), (0, 2, 5), (1, 1), (0, 1), (0, 2), (37,)]
+    # Priced from the traced update: the reduce-scatter is the gradient's bytes, no padding.
+    size = 3 * 24 + 18 + 25 + 6  # 121 entries: 1 of padding in the dense chunk on 2 workers
+    cost = jd.communication_cost(tx, params, num_workers=n)
+    scattered = (n * (24 + 37)) * 4  # the reduce-scatter's buffer
+    gathered = n * (6 + 1 + 37) * 4
+    assert size + 1 == n * (24 + 37)
+    assert cost.sent_bytes == (n - 1) / n * scattered + (n - 1) / n * gathered
 
 
 def test_bad_inputs():

@@ -98,9 +98,11 @@ def test_equals_optax_muon_on_mean_gradient():
     final, state = run_sharded_model(jd.muon(0.02, num_workers=n, **MAIN), _grads(n), _params(), SPECS)
     _, ref_final = _reference("main", lambda: optax.contrib.muon(0.02, **MAIN))
     helpers.assert_trees_close(final, ref_final, rtol=1e-5, atol=1e-6)
-    # Each worker keeps the momentum of ceil(count / n) matrices per group, no more: the (4, 6)
-    # group fills one slot each, the (6, 3) one is padded.
-    assert [x.shape for x in state[0].mu] == [(n, 1, 4, 6), (n, 1, 6, 3)]
+    # Each worker keeps the momentum of count // n matrices per group, no more: the (4, 6)
+    # group fills one slot each; the lone (6, 3) matrix is the remainder, replicated. Groups with
+    # no matrix in a field are left out of it (no zero-size arrays: orbax cannot save them).
+    assert [x.shape for x in state[0].mu] == [(n, 1, 4, 6)]
+    assert [x.shape for x in state[0].mu_rest] == [(1, 6, 3)]  # placed replicated (P())
 
 
 def update_program(tx, params, n):
@@ -236,8 +238,9 @@ def test_options_pass_through():
     updates, _, state = helpers.run_steps(tx, _grads(n, SHAPES_DIMS), _params(SHAPES_DIMS), backend="vmap")
     ref, _ = _reference("options", lambda: optax.contrib.muon(lr, **OPTIONS), SHAPES_DIMS)
     helpers.assert_trees_close(updates, ref, rtol=1e-5, atol=5e-6)
-    # conv (6, 5): 1 matrix -> 1 slot; (4, 6): 3 heads + w = 4 matrices -> 2 per worker.
-    assert [x.shape for x in state[0].mu] == [(n, 1, 6, 5), (n, 2, 4, 6)]  # conv comes first
+    # conv (6, 5): 1 matrix -> the remainder; (4, 6): 3 heads + w = 4 matrices -> 2 per worker.
+    assert [x.shape for x in state[0].mu] == [(n, 2, 4, 6)]
+    assert [x.shape for x in state[0].mu_rest] == [(n, 1, 6, 5)]  # stacked by vmap
 
 
 def test_one_reduce_scatter_and_one_all_gather_per_step():
@@ -249,8 +252,9 @@ def test_one_reduce_scatter_and_one_all_gather_per_step():
 
 
 def test_bytes_of_one_all_reduce():
-    """The reduce-scatter carries every worker's padded stacks and the dense leaves; the all-gather
-    the same count of elements (the orthogonalised shares and the dense chunk)."""
+    """The reduce-scatter carries every worker's stacks and the dense leaves, no padding (the
+    count % n remainder matrices travel with the dense leaves); the all-gather the same count of
+    elements (the orthogonalised shares and the dense chunk): one all-reduce of the gradient."""
     n = 2
     params = _params()
     rows = {}
@@ -268,8 +272,15 @@ def test_bytes_of_one_all_reduce():
         jax.eval_shape(step, grads, params)
     finally:
         comm.reduce_scatter = real
-    padded = 4 * (4 * 6) + 2 * (6 * 3) + 6  # 3 matrices padded to 4, 1 padded to 2, 5 + 1 dense entries
-    assert rows["reduce_scatter"] == (n, padded // n)
+    # 2 of the 3 (4, 6) matrices owned, 1 + the (6, 3) one + 5 + 1 dense entries in the dense chunk.
+    size = 3 * (4 * 6) + 6 * 3 + 6
+    assert rows["reduce_scatter"] == (n, size // n)
+    # Priced from the traced update, with counts (3 and 1) that are not multiples of n: exactly the
+    # bytes of one all-reduce of the gradient (96 entries, which n divides: no chunk padding).
+    for n in (2, 3, 8):
+        cost = jd.communication_cost(jd.muon(0.02, num_workers=n), params, num_workers=n)
+        dense = jd.communication_cost(jd.all_reduce(), params, num_workers=n)
+        assert cost.sent_bytes == dense.sent_bytes == 2 * (n - 1) * (size // n) * 4
 
 
 def test_contract_bf16_one_compilation_extra_args_mu_dtype():

@@ -4,11 +4,14 @@ Dion2 (Ahn et al., ``microsoft/dion``'s ``dion2.py``) keeps an undecayed
 momentum per matrix, picks the ``k = ceil(fraction * s)`` slices along the
 matrix's shorter side ``s`` with the largest L1 norm, decays only those
 (error feedback) and orthogonalises only them. Distributed as
-:func:`jaxopt_dist.muon` is: matrices of one shape are stacked and split into
-``W`` shares; one reduce-scatter brings each owner the mean gradient of its
+:func:`jaxopt_dist.muon` is: matrices of one shape are stacked and the first
+``W floor(c / W)`` of a stack of ``c`` are split into ``W`` shares (nothing
+is padded); one reduce-scatter brings each owner the mean gradient of its
 share; the owner updates the momentum it alone keeps, selects, decays and
 orthogonalises; one all-gather returns the orthogonalised slices and their
-indices (``fraction`` of the matrices' entries) to every worker. With
+indices (``fraction`` of the matrices' entries) to every worker. The
+``c mod W`` matrices left over travel whole with the non-matrix leaves
+(a ``1 / W`` chunk each way), and every worker updates them itself. With
 ``axis_name=None``: one worker, no communication (the numbers of ``W = 1``),
 e.g. as :func:`jaxopt_dist.diloco`'s inner optimizer.
 """
@@ -75,11 +78,13 @@ class Dion2State(NamedTuple):
 
     Matrices are grouped by ``(fan_in, fan_out, dtype)`` in order of first
     appearance in ``jax.tree.leaves``; worker ``j`` owns the slots
-    ``[j s_g, (j + 1) s_g)`` of group ``g``'s stack, ``s_g = ceil(c_g / W)``.
+    ``[j s_g, (j + 1) s_g)`` of group ``g``'s stack, ``s_g = c_g // W``
+    (possibly 0), and the last ``r_g = c_g mod W`` matrices are updated by
+    every worker.
 
     Attributes:
       count: int32[], steps taken; replicated.
-      momentum: per group, ``(s_g, a, b)``: the momentum of the matrices this
+      momentum: per group with ``s_g > 0``, ``(s_g, a, b)``: the momentum of the matrices this
         worker owns, oriented with the selectable side first (``a = fan_out,
         b = fan_in`` when ``fan_out <= fan_in``, i.e. the reference's
         ``(d_out, d_in)`` layout; else ``(fan_in, fan_out)``); per-worker,
@@ -87,12 +92,18 @@ class Dion2State(NamedTuple):
         regroupable for another number of workers:
         :func:`jaxopt_dist.reshard_opt_state` refuses it (no reshard rule),
         since the workers' rows are the momenta of *different matrices*,
-        not copies to average, and the shard sizes ``ceil(c_g / W)`` change
-        with ``W``. To resume on another number of workers, build
+        not copies to average, and the shard sizes ``c_g // W`` change with
+        ``W``. To resume on another number of workers, build
         :func:`jaxopt_dist.dion2` with the new ``num_workers`` and start the
-        momentum afresh (``tx.init``); ``momentum.reshape(W * s_g, a,
-        b)[:c_g]`` is group ``g``'s whole momentum, to redistribute by hand
-        if it matters.
+        momentum afresh (``tx.init``); ``momentum.reshape(W * s_g, a, b)``
+        followed by ``momentum_rest`` is group ``g``'s whole momentum, to
+        redistribute by hand if it matters.
+      momentum_rest: per group with ``r_g > 0``, ``(r_g, a, b)``: the
+        momentum of the group's last ``r_g = c_g mod W`` matrices, oriented
+        as ``momentum``, which every worker updates from their mean
+        gradient; replicated (an empty tuple with ``axis_name=None``).
+        Groups with no matrix in a field are left out of it (orbax cannot
+        checkpoint zero-size arrays).
 
     ``RESHARD_NOTE`` (a class attribute, not a field) says so, for
     :func:`jaxopt_dist.reshard_opt_state`'s refusal.
@@ -101,7 +112,8 @@ class Dion2State(NamedTuple):
     RESHARD_NOTE = ortho.RESHARD_NOTE
 
     count: jax.Array  # int32[], replicated
-    momentum: tuple[jax.Array, ...]  # (ceil(c_g / W), a, b) per group, per-worker
+    momentum: tuple[jax.Array, ...]  # (c_g // W, a, b) per group where > 0, per-worker
+    momentum_rest: tuple[jax.Array, ...]  # (c_g % W, a, b) per group where > 0, replicated
 
 
 def _scale_by_dion2(
@@ -126,8 +138,9 @@ def _scale_by_dion2(
 
     def init_fn(params):
         plan = ortho.make_plan(params, weight_dimension_numbers, num_workers, caller=caller, arg=arg)
-        momentum = tuple(jnp.zeros((g.share, *_oriented(g)), g.dtype) for g in plan.groups)
-        return Dion2State(count=jnp.zeros([], jnp.int32), momentum=momentum)
+        momentum = tuple(jnp.zeros((g.share, *_oriented(g)), g.dtype) for g in plan.groups if g.share)
+        rest = tuple(jnp.zeros((g.rest, *_oriented(g)), g.dtype) for g in plan.groups if g.rest)
+        return Dion2State(count=jnp.zeros([], jnp.int32), momentum=momentum, momentum_rest=rest)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -144,9 +157,11 @@ def _scale_by_dion2(
         count = state.count
         decay = base.resolve(ef_decay, count)
         eps_t = base.resolve(eps, count)
-        new_m, slices, indices = [], [], []
-        for g, share, m_old in zip(groups, owned.shares, state.momentum):
-            grad = _orient(share, g)  # the mean gradient of this worker's share
+
+        def update_stack(
+            g: ortho.Group, mean: jax.Array, m_old: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            grad = _orient(mean, g)  # the mean gradient of a stack of the group's matrices
             m = m_old + grad.astype(m_old.dtype)
             k = selected_count(g.fan_in, g.fan_out, fraction)
             norms = jnp.sum(jnp.abs(m), axis=2)  # L1 norm of each slice
@@ -155,19 +170,33 @@ def _scale_by_dion2(
             sel = _contract("ska,sab->skb", pick, m)  # the selected slices, (s, k, b)
             chosen = jnp.sum(pick, axis=1)[:, :, None] > 0  # (s, a, 1)
             m = jnp.where(chosen, m * jnp.asarray(decay, m.dtype), m)
-            slices.append(ortho.newton_schulz(sel, coeffs, eps=eps_t, preconditioning=preconditioning))
-            indices.append(idx.astype(jnp.int32))
+            o = ortho.newton_schulz(sel, coeffs, eps=eps_t, preconditioning=preconditioning)
+            return o, idx.astype(jnp.int32), m
+
+        shares, rests = [g.share for g in groups], [g.rest for g in groups]
+        empty = lambda k: jnp.zeros((0, *_oriented(groups[k])), groups[k].dtype)  # noqa: E731
+        m_olds = ortho.per_group(state.momentum, shares, empty)
+        rest_olds = ortho.per_group(state.momentum_rest, rests, empty)
+        new_m, slices, indices = [], [], []
+        for g, share, m_old in zip(groups, owned.shares, m_olds):  # this worker's share
+            o, idx, m = update_stack(g, share, m_old)
+            slices.append(o)
+            indices.append(idx)
             new_m.append(m)
-        gathered, out = ortho.gather_results(owned, slices + indices, axis_name, caller=caller)
+        gathered, out, rest_grads = ortho.gather_results(owned, slices + indices, axis_name, caller=caller)
 
         lr = base.resolve(learning_rate, count)
         wd = base.resolve(weight_decay, count) if use_wd else None
         p_leaves = owned.treedef.flatten_up_to(params) if use_wd else []
         ng = len(groups)
+        new_rest = []
         for j, g in enumerate(groups):
+            # The remainder: every worker updates it from the mean it received (replicated).
+            o_rest, idx_rest, m_rest = update_stack(g, rest_grads[j], rest_olds[j])
+            new_rest.append(m_rest)
             k = selected_count(g.fan_in, g.fan_out, fraction)
-            o = gathered[j].reshape(n * g.share, k, -1)[: g.count]
-            idx = gathered[ng + j].reshape(n * g.share, k)[: g.count]
+            o = jnp.concatenate([gathered[j].reshape(n * g.share, k, o_rest.shape[2]), o_rest])
+            idx = jnp.concatenate([gathered[ng + j].reshape(n * g.share, k), idx_rest])
             step = -lr * _lr_scale(g.fan_in, g.fan_out, adjust_lr)
             pick = jax.nn.one_hot(idx, _oriented(g)[0], dtype=o.dtype)  # (count, k, a)
             full = _contract("ska,skb->sab", pick, step * o)  # the slices back in place, zeros elsewhere
@@ -177,7 +206,11 @@ def _scale_by_dion2(
                 if use_wd:
                     x = x - lr * wd * p_leaves[i].astype(x.dtype)
                 out[i] = x.astype(owned.leaves[i].dtype)
-        new_state = Dion2State(count=optax.safe_increment(count), momentum=tuple(new_m))
+        new_state = Dion2State(
+            count=optax.safe_increment(count),
+            momentum=ortho.kept(new_m, shares),
+            momentum_rest=ortho.kept(new_rest, rests),
+        )
         return jax.tree.unflatten(owned.treedef, out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -276,18 +309,21 @@ def dion2(
 
     Communication:
       Per dtype ONE reduce-scatter of the gradients: row ``j`` holds the
-      matrices worker ``j`` owns (``s_g = ceil(c_g / W)`` per group, zero
-      padded) and a ``1 / W`` chunk of the non-matrix leaves. Then ONE
-      all-gather (all dtypes together, bitcast) of each owner's
-      orthogonalised slices (``s_g k_g b_g`` entries per group, about
-      ``fraction`` of the matrices), their int32 indices (``s_g k_g``) and
-      the non-matrix chunk. Per worker that is ``(W - 1) / W`` of the
-      gradient's bytes for the reduce-scatter and about ``fraction`` of that
-      for the all-gather. Outputs are replicated; ``count`` and the scalar
-      optimizer's state are replicated; ``momentum`` is per-worker,
-      ``1 / W`` of the matrices' momentum. None with ``axis_name=None``
-      (outputs and state as the inputs: per-worker for per-worker
-      parameters).
+      matrices worker ``j`` owns (``s_g = c_g // W`` per group, no
+      padding) and a ``1 / W`` chunk of the non-matrix leaves and of each
+      group's ``r_g = c_g mod W`` remainder matrices. Then ONE all-gather
+      (all dtypes together, bitcast) of each owner's orthogonalised slices
+      (``s_g k_g b_g`` entries per group, about ``fraction`` of the owned
+      matrices), their int32 indices (``s_g k_g``) and the chunk of the
+      non-matrix leaves' and remainders' mean. Per worker that is
+      ``(W - 1) / W`` of the gradient's bytes for the reduce-scatter and,
+      for the all-gather, about ``fraction`` of the owned matrices' share
+      plus all of the rest; every worker then updates the remainder
+      matrices itself. Outputs are replicated; ``count``,
+      ``momentum_rest`` and the scalar optimizer's state are replicated;
+      ``momentum`` is per-worker, ``1 / W`` of the owned matrices'
+      momentum. None with ``axis_name=None`` (no remainder; outputs and
+      state as the inputs: per-worker for per-worker parameters).
 
     Examples:
       >>> import jax, jax.numpy as jnp

@@ -4,19 +4,25 @@ Muon (Jordan 2024) orthogonalises the momentum of each matrix parameter by
 Newton-Schulz. Run data-parallel as usual, every worker would average the
 gradients (an all-reduce), keep the whole momentum and orthogonalise every
 matrix: the same work ``W`` times over. Here (as in the Dion reference's
-distributed Muon) matrices of the same shape are stacked, the stack is split
-into ``W`` equal shares (zero-padded), and each worker owns one share:
+distributed Muon) matrices of the same shape are stacked, the first
+``W floor(c / W)`` of a stack of ``c`` are split into ``W`` equal shares,
+and each worker owns one share; the remaining ``c mod W`` matrices are
+owned by no one (nothing is padded):
 
 1. one **reduce-scatter** sums the gradients, each worker receiving only the
-   sum of its own share (and a ``1 / W`` chunk of the non-matrix leaves);
+   sum of its own share (and a ``1 / W`` chunk of the non-matrix leaves and
+   of the remainder matrices);
 2. the owner updates the momentum of its share (it keeps no other) and
    orthogonalises it;
 3. one **all-gather** returns the orthogonalised matrices (and the mean of
-   the non-matrix leaves) to every worker.
+   the non-matrix leaves and of the remainder matrices) to every worker;
+4. every worker updates the momentum of the remainder matrices (replicated:
+   the same on every worker) and orthogonalises them itself.
 
 A reduce-scatter plus an all-gather is how a ring all-reduce moves its bytes,
 so the step costs the bytes of the all-reduce it replaces, while the momentum
-memory and the Newton-Schulz work per worker fall by ``W``.
+memory and the Newton-Schulz work per worker fall by about ``W`` (exactly
+``W`` when each shape's count is a multiple of ``W``).
 
 With ``axis_name=None`` there is one worker and no communication: the
 numbers of ``W = 1``, ``optax.contrib.muon`` itself, e.g. as the inner
@@ -48,24 +54,30 @@ class ScaleByMuonState(NamedTuple):
 
     Matrices are grouped by ``(fan_in, fan_out, dtype)`` in order of first
     appearance in ``jax.tree.leaves``; group ``g`` holds ``c_g`` matrices,
-    and worker ``j`` owns the slots ``[j s_g, (j + 1) s_g)`` of its stack,
-    ``s_g = ceil(c_g / W)`` (slots past ``c_g`` are zero padding).
+    worker ``j`` owns the slots ``[j s_g, (j + 1) s_g)`` of its stack,
+    ``s_g = c_g // W`` (possibly 0), and the last ``r_g = c_g mod W``
+    matrices are updated by every worker.
 
     Attributes:
       count: int32[], steps taken; replicated.
-      mu: per group, ``(s_g, fan_in, fan_out)``: the momentum of the matrices
+      mu: per group with ``s_g > 0``, ``(s_g, fan_in, fan_out)``: the momentum of the matrices
         this worker owns, and only those; per-worker (``W = 1`` with
         ``axis_name=None``: all of them). A state of ``W`` workers cannot be
         regrouped for another number of workers:
         :func:`jaxopt_dist.reshard_opt_state` refuses ``mu`` (no reshard
         rule), since worker ``j``'s rows are the momentum of *other
         matrices* than worker ``i``'s, not a copy to average, and the shard
-        sizes ``ceil(c_g / W)`` change with ``W``. To resume on another
-        number of workers, build the optimizer with the new ``num_workers``
-        and start its momentum afresh (``tx.init``); the rows stacked over
-        the old workers, ``mu.reshape(W * s_g, fan_in, fan_out)[:c_g]``, are
-        the whole momentum of group ``g``, to redistribute by hand if it
-        matters.
+        sizes ``c_g // W`` change with ``W``. To resume on another number
+        of workers, build the optimizer with the new ``num_workers`` and
+        start its momentum afresh (``tx.init``); the rows stacked over the
+        old workers, ``mu.reshape(W * s_g, fan_in, fan_out)``, followed by
+        ``mu_rest``, are the whole momentum of group ``g``, to redistribute
+        by hand if it matters.
+      mu_rest: per group with ``r_g > 0``, ``(r_g, fan_in, fan_out)``: the
+        momentum of the group's last ``r_g = c_g mod W`` matrices, which
+        every worker updates from their mean gradient; replicated (an empty
+        tuple with ``axis_name=None``). Groups with no matrix in a field are
+        left out of it (orbax cannot checkpoint zero-size arrays).
 
     ``RESHARD_NOTE`` (a class attribute, not a field) says so, for
     :func:`jaxopt_dist.reshard_opt_state`'s refusal.
@@ -74,7 +86,8 @@ class ScaleByMuonState(NamedTuple):
     RESHARD_NOTE = ortho.RESHARD_NOTE
 
     count: jax.Array  # int32[], replicated
-    mu: tuple[jax.Array, ...]  # (ceil(c_g / W), fan_in, fan_out) per group, per-worker
+    mu: tuple[jax.Array, ...]  # (c_g // W, fan_in, fan_out) per group where > 0, per-worker
+    mu_rest: tuple[jax.Array, ...]  # (c_g % W, fan_in, fan_out) per group where > 0, replicated
 
 
 def scale_by_muon(
@@ -155,14 +168,18 @@ def scale_by_muon(
     Communication:
       With ``W`` workers, per dtype: ONE reduce-scatter of a buffer of
       ``W x L`` elements, row ``j`` holding the matrices worker ``j`` owns
-      (``sum_g s_g fan_in fan_out``) and a ``1 / W`` chunk of the non-matrix
-      leaves; then ONE all-gather (of all dtypes at once, bitcast) of each
+      (``sum_g s_g fan_in fan_out``, ``s_g = c_g // W``) and a ``1 / W``
+      chunk of the non-matrix leaves and of each group's ``r_g = c_g mod
+      W`` remainder matrices (that chunk zero-padded to a multiple of
+      ``W``); then ONE all-gather (of all dtypes at once, bitcast) of each
       worker's ``L`` results (plus ``s_g`` dot products per group with
-      ``adaptive``). Each worker sends ``(W - 1) L w`` bytes in each, the
-      bytes of a ring all-reduce of the (padded) gradients. Outputs are
-      replicated; ``count`` is replicated; ``mu`` is per-worker, ``1 / W``
-      of the momentum (``s_g = ceil(c_g / W)`` matrices per group). None
-      with ``axis_name=None``.
+      ``adaptive``). Each worker sends ``(W - 1) L w`` bytes in each: the
+      bytes of a ring all-reduce of the gradients, no matrix padding.
+      Every worker then updates and orthogonalises the remainder matrices
+      itself. Outputs are replicated; ``count`` is replicated; ``mu`` is
+      per-worker, ``1 / W`` of the owned matrices' momentum (``s_g``
+      matrices per group); ``mu_rest`` is replicated (``r_g`` matrices per
+      group). None with ``axis_name=None`` (no remainder).
     """
     caller = "scale_by_muon"
     axis_name = base.validate_axis_name(axis_name, allow_none=True)
@@ -190,6 +207,7 @@ def scale_by_muon(
         return ScaleByMuonState(
             count=jnp.zeros([], jnp.int32),
             mu=ortho.shard_init(plan.groups, lambda g: mu_dtype or g.dtype),
+            mu_rest=ortho.rest_init(plan.groups, lambda g: mu_dtype or g.dtype),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -202,9 +220,9 @@ def scale_by_muon(
             updates, weight_dimension_numbers, n, axis_name, invariant_updates, caller, arg
         )
         count_inc = optax.safe_increment(state.count)
-        new_mu, outs, dots = [], [], []
-        for grad, mu_old in zip(owned.shares, state.mu):
-            # optax's own momentum maths (scale_by_muon), on this worker's share of the matrices.
+
+        def update_stack(grad: jax.Array, mu_old: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            # optax's own momentum maths (scale_by_muon), on a stack of matrices.
             mu: jax.Array = cast(jax.Array, optax.tree.update_moment(grad, mu_old, beta, 1))
             if nesterov:
                 ahead = optax.tree.bias_correction(mu, beta, optax.safe_increment(count_inc))
@@ -213,18 +231,32 @@ def scale_by_muon(
             else:
                 mu_hat = cast(jax.Array, optax.tree.bias_correction(mu, beta, count_inc))
             o = ortho.newton_schulz(mu_hat, coeffs, eps=eps, preconditioning=preconditioning)
-            outs.append(o)
-            if adaptive:
-                dots.append(jnp.sum(mu_hat * o, axis=(1, 2)))
             mu = mu.astype(mu_dtype) if mu_dtype is not None else mu
-            new_mu.append(mu.astype(mu_old.dtype))
-        gathered, out = ortho.gather_results(owned, outs + dots, axis_name, caller=caller)
+            return o, jnp.sum(mu_hat * o, axis=(1, 2)), mu.astype(mu_old.dtype)
 
         groups = owned.plan.groups
-        for k, g in enumerate(groups):
-            full = gathered[k].reshape(n * g.share, g.fan_in, g.fan_out)
+        shares, rests = [g.share for g in groups], [g.rest for g in groups]
+        dtype = lambda k: mu_dtype or groups[k].dtype  # noqa: E731
+        empty = lambda k: jnp.zeros((0, groups[k].fan_in, groups[k].fan_out), dtype(k))  # noqa: E731
+        mu_olds = ortho.per_group(state.mu, shares, empty)
+        rest_olds = ortho.per_group(state.mu_rest, rests, empty)
+        new_mu, outs, dots = [], [], []
+        for grad, mu_old in zip(owned.shares, mu_olds):  # this worker's share of the matrices
+            o, d, mu = update_stack(grad, mu_old)
+            outs.append(o)
             if adaptive:
-                d = gathered[len(groups) + k].reshape(n * g.share)
+                dots.append(d)
+            new_mu.append(mu)
+        gathered, out, rest_grads = ortho.gather_results(owned, outs + dots, axis_name, caller=caller)
+
+        new_rest = []
+        for k, g in enumerate(groups):
+            # The remainder: every worker updates it from the mean it received (replicated).
+            o_rest, d_rest, mu_rest = update_stack(rest_grads[k], rest_olds[k])
+            new_rest.append(mu_rest)
+            full = jnp.concatenate([gathered[k].reshape(n * g.share, g.fan_in, g.fan_out), o_rest])
+            if adaptive:
+                d = jnp.concatenate([gathered[len(groups) + k].reshape(n * g.share), d_rest])
                 offset = 0
                 for _, b in g.members:
                     # optax sums the dual pairing over the whole leaf (its batch axes too).
@@ -234,7 +266,10 @@ def scale_by_muon(
             scale = _shape_scale(g.fan_in, g.fan_out, consistent_rms)
             for i, x in ortho.unstack_group(full, owned.plan.views, g).items():
                 out[i] = scale * x
-        return jax.tree.unflatten(owned.treedef, out), ScaleByMuonState(count=count_inc, mu=tuple(new_mu))
+        new_state = ScaleByMuonState(
+            count=count_inc, mu=ortho.kept(new_mu, shares), mu_rest=ortho.kept(new_rest, rests)
+        )
+        return jax.tree.unflatten(owned.treedef, out), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -279,7 +314,8 @@ def muon(
       ``mu_dtype`` and ``nesterov``, as optax's.
 
     The matrices of one shape are stacked and split into ``W`` shares; a
-    worker keeps the momentum of its share only and orthogonalises only it
+    worker keeps the momentum of its share only and orthogonalises only it,
+    plus the ``c mod W`` matrices left over, which every worker updates
     (see :func:`scale_by_muon` and the module docstring).
 
     The parameters must be replicated (the default of
@@ -327,16 +363,18 @@ def muon(
 
     Communication:
       One reduce-scatter and one all-gather per step (per dtype for the
-      reduce-scatter), the bytes of one all-reduce of the gradients (the
-      matrix stacks padded to a multiple of ``W``); see
-      :func:`scale_by_muon`. The Adam branch runs on the replicated mean
-      gradient without communicating. Outputs are replicated; the Muon
-      momentum (``ScaleByMuonState.mu``) is per-worker, ``1 / W`` of the
-      matrices' momentum per worker; the count and the Adam state are
-      replicated. Newton-Schulz work per worker: ``ceil(c_g / W)`` matrices
-      of each group instead of ``c_g``. None with ``axis_name=None``
-      (outputs and state as the inputs: per-worker for per-worker
-      parameters).
+      reduce-scatter), the bytes of one all-reduce of the gradients (no
+      matrix padding: each shape's ``c_g mod W`` remainder matrices travel
+      with the non-matrix leaves); see :func:`scale_by_muon`. The Adam
+      branch runs on the replicated mean gradient without communicating.
+      Outputs are replicated; the Muon momentum of the owned matrices
+      (``ScaleByMuonState.mu``) is per-worker, ``c_g // W`` matrices of
+      each group per worker; that of the remainders
+      (``ScaleByMuonState.mu_rest``), the count and the Adam state are
+      replicated. Newton-Schulz work per worker: ``c_g // W + c_g mod W``
+      matrices of each group instead of ``c_g``. None with
+      ``axis_name=None`` (outputs and state as the inputs: per-worker for
+      per-worker parameters).
 
     Examples:
       >>> import jax, jax.numpy as jnp

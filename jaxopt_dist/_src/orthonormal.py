@@ -5,16 +5,21 @@
   ``optax.contrib.muon`` (same numbers, batched).
 * Matrix views: a leaf seen as a batch of ``(fan_in, fan_out)`` matrices
   through ``optax.contrib.MuonDimensionNumbers`` (:func:`matrix_view`).
-* Owners: matrices of one shape and dtype are stacked into a *group*; the
-  stack is padded with zero matrices to ``n * share`` (``share =
-  ceil(count / n)``) and worker ``j`` owns the slots ``[j share, (j + 1)
-  share)`` (:class:`Group`). :func:`reduce_to_owners` sums every worker's
-  stacks with ONE reduce-scatter per dtype, so each worker receives the sum
-  of its own share only (and a ``1 / n`` chunk of any dense leaves sent
-  along); :func:`gather_from_owners` returns what the owners computed to
-  every worker with ONE all-gather. Together they move the bytes of one
-  all-reduce. With ``axis_name=None`` (one worker, no communication) both
-  only drop or add the leading axis of length 1.
+* Owners: matrices of one shape and dtype are stacked into a *group*; its
+  first ``n * share`` matrices (``share = count // n``, possibly 0) are
+  split evenly, worker ``j`` owning the slots ``[j share, (j + 1) share)``,
+  and the ``rest = count % n`` last ones are owned by nobody: they travel
+  with the dense leaves and every worker updates them itself
+  (:class:`Group`). Nothing is padded. :func:`reduce_to_owners` sums every
+  worker's stacks with ONE reduce-scatter per dtype, so each worker
+  receives the sum of its own share only (and a ``1 / n`` chunk of the
+  dense leaves and the remainder matrices sent along);
+  :func:`gather_from_owners` returns what the owners computed (and the
+  dense chunks) to every worker with ONE all-gather. Together they move
+  the bytes of one all-reduce of the gradient (plus fewer than ``n``
+  padding elements per dtype). With ``axis_name=None`` (one worker, no
+  communication) both only drop or add the leading axis of length 1, and
+  there is no remainder.
 
 Transform modules import this module, never each other.
 """
@@ -217,14 +222,19 @@ def matrix_view(shape: tuple[int, ...], dims: Any, *, caller: str) -> MatrixView
 
 
 class Group(NamedTuple):
-    """Matrices of one shape and dtype, stacked; worker ``j`` owns slots ``[j share, (j+1) share)``."""
+    """Matrices of one shape and dtype, stacked; worker ``j`` owns slots ``[j share, (j+1) share)``.
+
+    The last ``rest`` matrices (slots ``[n share, count)``) are owned by no
+    one: every worker receives their mean and updates them itself.
+    """
 
     fan_in: int
     fan_out: int
     dtype: Any
     members: tuple[tuple[int, int], ...]  # (leaf index, matrices of that leaf), in stack order
     count: int  # matrices in the stack
-    share: int  # ceil(count / n): the slots each worker owns (the last ones may be padding)
+    share: int  # count // n: the slots each worker owns (possibly 0)
+    rest: int  # count % n: the remainder, replicated on every worker
 
 
 def make_groups(views: dict[int, MatrixView], dtypes: Sequence[Any], n: int) -> tuple[Group, ...]:
@@ -235,22 +245,22 @@ def make_groups(views: dict[int, MatrixView], dtypes: Sequence[Any], n: int) -> 
     groups = []
     for (fi, fo, dt), members in found.items():
         count = sum(b for _, b in members)
-        groups.append(Group(fi, fo, dt, tuple(members), count, -(-count // n)))
+        groups.append(Group(fi, fo, dt, tuple(members), count, count // n, count % n))
     return tuple(groups)
 
 
-def stack_group(leaves: Sequence[jax.Array], views: dict[int, MatrixView], g: Group, n: int) -> jax.Array:
-    """The group's matrices of ``leaves`` stacked and zero-padded: ``(n, share, fan_in, fan_out)``."""
+def stack_group(
+    leaves: Sequence[jax.Array], views: dict[int, MatrixView], g: Group, n: int
+) -> tuple[jax.Array, jax.Array]:
+    """The group's matrices of ``leaves`` stacked: ``(owned (n, share, fan_in, fan_out), rest (rest, fan_in, fan_out))``."""
     mats = [views[i].to_matrices(leaves[i]).astype(g.dtype) for i, _ in g.members]
-    pad = n * g.share - g.count
-    if pad:
-        mats.append(jnp.zeros((pad, g.fan_in, g.fan_out), g.dtype))
     stacked = jnp.concatenate(mats) if len(mats) > 1 else mats[0]
-    return stacked.reshape(n, g.share, g.fan_in, g.fan_out)
+    split = n * g.share
+    return stacked[:split].reshape(n, g.share, g.fan_in, g.fan_out), stacked[split:]
 
 
 def unstack_group(stacked: jax.Array, views: dict[int, MatrixView], g: Group) -> dict[int, jax.Array]:
-    """Inverse of :func:`stack_group` on ``(n * share, ...)`` rows: leaf index -> leaf-shaped array."""
+    """Inverse of :func:`stack_group` on ``(count, ...)`` rows (owned, then rest): leaf index -> leaf-shaped array."""
     out, offset = {}, 0
     for i, b in g.members:
         out[i] = views[i].from_matrices(stacked[offset : offset + b])
@@ -348,16 +358,37 @@ def gather_from_owners(
 
 
 def shard_init(groups: Sequence[Group], dtype_of: Any) -> tuple[jax.Array, ...]:
-    """Zero per-worker shards ``(share, fan_in, fan_out)``, one per group (``dtype_of(group)``)."""
-    return tuple(jnp.zeros((g.share, g.fan_in, g.fan_out), dtype_of(g)) for g in groups)
+    """Zero per-worker shards ``(share, fan_in, fan_out)``, one per group with ``share > 0`` (``dtype_of(group)``).
+
+    Groups without a slot are left out of the state: orbax cannot checkpoint
+    zero-size arrays. :func:`per_group` puts them back.
+    """
+    return tuple(jnp.zeros((g.share, g.fan_in, g.fan_out), dtype_of(g)) for g in groups if g.share)
+
+
+def rest_init(groups: Sequence[Group], dtype_of: Any) -> tuple[jax.Array, ...]:
+    """Zero replicated remainders ``(rest, fan_in, fan_out)``, one per group with ``rest > 0`` (``dtype_of(group)``)."""
+    return tuple(jnp.zeros((g.rest, g.fan_in, g.fan_out), dtype_of(g)) for g in groups if g.rest)
+
+
+def per_group(stored: Sequence[jax.Array], sizes: Sequence[int], empty: Any) -> list[jax.Array]:
+    """State arrays kept only where ``sizes[k] > 0``, back to one per group (``empty(k)`` elsewhere)."""
+    it = iter(stored)
+    return [next(it) if size else empty(k) for k, size in enumerate(sizes)]
+
+
+def kept(arrays: Sequence[jax.Array], sizes: Sequence[int]) -> tuple[jax.Array, ...]:
+    """Inverse of :func:`per_group`: the arrays of the groups with ``sizes[k] > 0``, for the state."""
+    return tuple(x for x, size in zip(arrays, sizes) if size)
 
 
 RESHARD_NOTE = (
     "Each worker's rows hold the momentum of its own 1/W of the matrices (different matrices, not "
     "copies to average), and their shapes depend on W. To resume on another number of workers, "
     "build the optimizer with the new num_workers and start its momentum afresh (tx.init); the rows "
-    "stacked over the old workers, reshaped to (W * share, ...)[:count], are each group's whole "
-    "momentum, to redistribute by hand if it matters."
+    "stacked over the old workers, reshaped to (W * share, ...), followed by the replicated "
+    "remainder (count % W matrices, the same on every worker), are each group's whole momentum, "
+    "to redistribute by hand if it matters."
 )
 """Why the sharded momentum cannot be regrouped, and what to do: the state classes' ``RESHARD_NOTE``."""
 
@@ -463,7 +494,8 @@ class Owned(NamedTuple):
     treedef: Any
     plan: Plan
     shares: list[jax.Array]  # per group, the mean gradient of the slots this worker owns
-    dense_chunks: list[jax.Array]  # per dtype, this worker's chunk of the dense leaves' mean
+    rests: list[jax.Array]  # per group, this worker's own gradient of the remainder matrices
+    dense_chunks: list[jax.Array]  # per dtype, this worker's chunk of the dense leaves' and remainders' mean
 
 
 def owned_means(
@@ -477,7 +509,9 @@ def owned_means(
 ) -> Owned:
     """The mean over the workers of the shares this worker owns, by ONE reduce-scatter per dtype.
 
-    Leaves that arrive already reduced (typed invariant under shard_map) are
+    The remainder matrices of each group travel with the dense leaves (a
+    ``1 / n`` chunk of their mean reaches each worker; :func:`gather_results`
+    returns their whole mean to every worker). Leaves that arrive already reduced (typed invariant under shard_map) are
     first turned into per-worker shares (``invariant_updates``). With
     ``axis_name=None`` (``n == 1``) the updates are this worker's own and
     nothing is exchanged.
@@ -488,23 +522,36 @@ def owned_means(
         )
     leaves, treedef = jax.tree.flatten(updates)
     plan = make_plan(updates, spec, n, caller=caller, arg=arg)
-    rows = [stack_group(leaves, plan.views, g, n) for g in plan.groups]
-    sums, dense_sums = reduce_to_owners(rows, [leaves[i] for i in plan.dense], n, axis_name, caller=caller)
+    stacks = [stack_group(leaves, plan.views, g, n) for g in plan.groups]
+    rows, rests = [r for r, _ in stacks], [x for _, x in stacks]
+    sent = [leaves[i] for i in plan.dense] + [x for x in rests if x.shape[0]]
+    sums, dense_sums = reduce_to_owners(rows, sent, n, axis_name, caller=caller)
     mean = lambda x: x / jnp.asarray(n, x.dtype)  # noqa: E731
-    return Owned(leaves, treedef, plan, [mean(x) for x in sums], [mean(x) for x in dense_sums])
+    return Owned(leaves, treedef, plan, [mean(x) for x in sums], rests, [mean(x) for x in dense_sums])
 
 
 def gather_results(
     owned: Owned, per_group: Sequence[jax.Array], axis_name: base.AxisName | None, *, caller: str
-) -> tuple[list[jax.Array], list[Any]]:
+) -> tuple[list[jax.Array], list[Any], list[jax.Array]]:
     """ONE all-gather of the owners' ``per_group`` results and the dense chunks.
 
-    Returns ``(gathered per_group arrays, each (n, *shape)); the output leaf
-    list with the dense leaves' means filled in and None at the matrices)``.
+    Returns ``(gathered per_group arrays, each (n, *shape); the output leaf
+    list with the dense leaves' means filled in and None at the matrices;
+    per group, the mean gradient of its remainder matrices, (rest, fan_in,
+    fan_out), the same on every worker (typed replicated under shard_map))``.
     """
     gathered = gather_from_owners(list(per_group) + owned.dense_chunks, axis_name, caller=caller)
     out: list[Any] = [None] * len(owned.leaves)
     dense_leaves = [owned.leaves[i] for i in owned.plan.dense]
-    for i, x in zip(owned.plan.dense, split_dense(gathered[len(per_group) :], dense_leaves)):
+    sent_rests = [x for x in owned.rests if x.shape[0]]
+    means = split_dense(gathered[len(per_group) :], dense_leaves + sent_rests)
+    for i, x in zip(owned.plan.dense, means):
         out[i] = x
-    return gathered[: len(per_group)], out
+    rest_means, k = [], len(dense_leaves)
+    for x in owned.rests:
+        if x.shape[0]:
+            rest_means.append(means[k])
+            k += 1
+        else:
+            rest_means.append(jnp.zeros(x.shape, x.dtype))  # empty (and typed replicated)
+    return gathered[: len(per_group)], out, rest_means
