@@ -146,7 +146,7 @@ def orthonormal_methods(n: int) -> dict[str, tuple[str, Any]]:
 
 
 def _padding(params: Any, n: int) -> float:
-    """Matrix entries our Muon / Dion2 stack for ``n`` workers over the matrices' entries (1: no padding)."""
+    """The share of the matrices' entries our Muon / Dion2 split over ``n`` workers (the rest: every worker's)."""
     from jaxopt_dist._src import orthonormal as ortho
 
     plan = ortho.make_plan(params, resnet_dims, n, caller="bench", arg="muon_weight_dimension_numbers")
@@ -171,7 +171,7 @@ def bytes_table(widths: tuple[int, ...]) -> None:
     cols = ["method"]
     for w in widths:
         cols += [f"W={w} bytes/step", "x dense"]
-    cols += ["collectives", *(f"stacked/real matrix entries W={w}" for w in widths)]
+    cols += ["collectives", *(f"split entries W={w}" for w in widths)]
     print(_common.markdown_header(cols, "l" + "rr" * len(widths) + "l" + "r" * len(widths)))
     rows: dict[str, list[Any]] = {}
     dense: dict[int, float] = {}
