@@ -138,3 +138,14 @@ def test_one_model_picks_the_global_model(lm):
     assert lm.one_model(params, agreed, per_worker=True)["w"].tolist() == [5.0, 6.0]
     differ = {"anchor": {"w": jnp.array([[5.0, 6.0], [5.0, 7.0]])}}  # per-worker anchors (NoLoCo)
     assert lm.one_model(params, differ, per_worker=True)["w"].tolist() == [2.0, 3.0]
+
+
+@pytest.mark.slow  # about 30 s: three optimizers compiled for the 2 x 4 mesh
+@pytest.mark.parametrize("tx", ["muon", "dion", "dion2"])
+def test_orthonormal_optimizers_train_on_the_sharded_mesh(lm, corpus, tx):
+    """The example's Muon, Dion and Dion2 rows train on the 2 x 4 mesh (parameters over "fsdp")."""
+    args = lm.parser().parse_args([*TINY, "--steps", "4", "--eval-every", "4"])
+    (run,) = lm.Trainer(tx, lm.config(args), args).run_seeds(corpus, [0], progress=False)
+    first, last = run["evals"][0]["val_bpb"], run["evals"][-1]["val_bpb"]
+    assert np.isfinite(last) and last < first
+    assert run["evals"][-1]["data_axis_bytes"] > 0
