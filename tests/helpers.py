@@ -381,14 +381,26 @@ def scan_steps(tx, grads_seq, params, *, backend, axis_name="data", mask=None):
 # Compiled HLO.
 
 
-def update_program(tx, params, n):
+def update_program(tx, params, n, *, with_params=False):
     """``(f, grads)``: one ``tx.update`` from a fresh state on ``n`` workers under shard_map
-    (replicated output), and stacked per-worker gradients (ones) placed for it."""
+    (replicated output), and stacked per-worker gradients (ones) placed for it.
+
+    ``with_params=True``: ``f(grads, params)`` passes the (replicated) ``params`` to ``init`` and
+    ``update``, and stacks the outputs per worker.
+    """
     mesh = make_mesh(n)
     g = jax.device_put(
         jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), params),
         jax.sharding.NamedSharding(mesh, P("data")),
     )
+    if with_params:
+
+        def body_p(g, p):
+            g = jax.tree.map(lambda x: x[0], g)
+            return jax.tree.map(lambda x: x[None], tx.update(g, tx.init(p), p)[0])
+
+        specs = {"in_specs": (P("data"), P()), "out_specs": P("data")}
+        return jax.shard_map(body_p, mesh=mesh, check_vma=True, **specs), g
 
     def body(g):
         g = jax.tree.map(lambda x: x[0], g)
@@ -397,15 +409,15 @@ def update_program(tx, params, n):
     return jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P(), check_vma=True), g
 
 
-def traced_collectives(tx, params, n):
+def traced_collectives(tx, params, n, *, with_params=False):
     """(primitive name, bytes of the local operand) of every collective in one update under shard_map."""
-    f, g = update_program(tx, params, n)
+    f, g = update_program(tx, params, n, with_params=with_params)
     found = []
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
             name = e.primitive.name
-            if name.startswith(("psum", "all_gather", "pmax", "pmin", "ppermute")):
+            if name.startswith(("psum", "all_gather", "pmax", "pmin", "ppermute", "reduce_scatter")):
                 found.append((name, sum(comm.tree_bytes(v.aval) for v in e.invars)))
             for p in e.params.values():
                 for sub in p if isinstance(p, (list, tuple)) else [p]:
@@ -414,7 +426,7 @@ def traced_collectives(tx, params, n):
                     elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
                         walk(sub.jaxpr)
 
-    walk(jax.make_jaxpr(f)(g).jaxpr)
+    walk(jax.make_jaxpr(f)(g, params).jaxpr if with_params else jax.make_jaxpr(f)(g).jaxpr)
     return found
 
 

@@ -13,7 +13,7 @@ import pytest
 import jaxopt_dist as jd
 from jaxopt_dist._src import comm, orthonormal
 from tests import helpers
-from tests.test_muon import check_local_inner_in_diloco, run_sharded_model, traced_collectives, update_program
+from tests.test_muon import check_local_inner_in_diloco, collective_names, run_sharded_model
 
 P = jax.sharding.PartitionSpec
 
@@ -192,10 +192,10 @@ def test_fraction_one_is_muon_momentum_scalar_optimizer_schedule():
 def test_one_reduce_scatter_one_all_gather_none_when_local():
     n = 3
     params = {k: jnp.asarray(v) for k, v in _params().items()}
-    f, g = update_program(jd.dion2(0.02, num_workers=n), params, n)
+    f, g = helpers.update_program(jd.dion2(0.02, num_workers=n), params, n, with_params=True)
     compiled = helpers.count_collectives(helpers.compiled_text(f, g, params))
     assert compiled == {"reduce-scatter": 1, "all-gather": 1}
-    assert traced_collectives(jd.dion2(0.02, axis_name=None), params) == []
+    assert collective_names(jd.dion2(0.02, axis_name=None), params) == []
 
 
 def test_all_gather_carries_the_fraction():

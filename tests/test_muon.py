@@ -18,7 +18,6 @@ P = jax.sharding.PartitionSpec
 SHAPES = {"a": (4, 6), "b": (4, 6), "c": (4, 6), "d": (6, 3), "bias": (5,), "scale": ()}
 STEPS = 2
 MAIN = dict(weight_decay=0.1, adam_weight_decay=0.01)
-COLLECTIVES = ("psum", "reduce_scatter", "all_gather", "all_to_all", "ppermute")
 
 
 def _params(shapes=SHAPES, seed=0):
@@ -105,40 +104,9 @@ def test_equals_optax_muon_on_mean_gradient():
     assert [x.shape for x in state[0].mu_rest] == [(1, 6, 3)]  # placed replicated (P())
 
 
-def update_program(tx, params, n):
-    """``(f, grads)``: one ``tx.update`` under shard_map over a bound ``"data"`` axis of ``n`` workers
-    (``f(grads, params)``, outputs stacked per worker), and per-worker gradients (ones) placed for it."""
-    mesh = helpers.make_mesh(n)
-
-    def body(g, p):
-        g = jax.tree.map(lambda x: x[0], g)
-        return jax.tree.map(lambda x: x[None], tx.update(g, tx.init(p), p)[0])
-
-    g = jax.device_put(
-        jax.tree.map(lambda x: jnp.ones((n, *x.shape), x.dtype), params),
-        jax.sharding.NamedSharding(mesh, P("data")),
-    )
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"), check_vma=True)
-    return f, g
-
-
-def traced_collectives(tx, params, n=2):
-    """Collective primitives in one ``tx.update`` traced (not compiled) on ``n`` workers."""
-    f, g = update_program(tx, params, n)
-    names: list[str] = []
-
-    def walk(jaxpr):
-        for e in jaxpr.eqns:
-            names.append(e.primitive.name)
-            for p in e.params.values():
-                for sub in p if isinstance(p, (list, tuple)) else [p]:
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(f)(g, params).jaxpr)
-    return sorted(x for x in names if x.startswith(COLLECTIVES))
+def collective_names(tx, params, n=2):
+    """The collectives of one update traced under shard_map (``params`` passed to the update)."""
+    return sorted(name for name, _ in helpers.traced_collectives(tx, params, n, with_params=True))
 
 
 def test_local_axis_none_is_optax_muon_without_collectives():
@@ -149,8 +117,8 @@ def test_local_axis_none_is_optax_muon_without_collectives():
     ref_updates, ref_final = _reference("main", lambda: optax.contrib.muon(0.02, **MAIN))
     helpers.assert_trees_close(updates, ref_updates, rtol=1e-5, atol=1e-6)
     helpers.assert_trees_close(final, ref_final, rtol=1e-5, atol=1e-6)
-    assert traced_collectives(jd.muon(0.02, axis_name=None, adaptive=True), _params()) == []
-    assert traced_collectives(jd.muon(0.02, num_workers=2, adaptive=True), _params()) in (
+    assert collective_names(jd.muon(0.02, axis_name=None, adaptive=True), _params()) == []
+    assert collective_names(jd.muon(0.02, num_workers=2, adaptive=True), _params()) in (
         ["all_gather_invariant", "reduce_scatter"],
         ["all_gather", "reduce_scatter"],
     )
@@ -246,7 +214,7 @@ def test_options_pass_through():
 def test_one_reduce_scatter_and_one_all_gather_per_step():
     n = 3
     params = _params()
-    f, g = update_program(jd.muon(0.02, num_workers=n, adaptive=True), params, n)
+    f, g = helpers.update_program(jd.muon(0.02, num_workers=n, adaptive=True), params, n, with_params=True)
     compiled = helpers.count_collectives(helpers.compiled_text(f, g, params))
     assert compiled == {"reduce-scatter": 1, "all-gather": 1}
 
