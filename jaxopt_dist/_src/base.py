@@ -108,6 +108,24 @@ def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def check_fraction(value: Any, name: str) -> float:
+    """Validates a shape-setting fraction in ``(0, 1]`` (``rank_fraction``, ``fraction``)."""
+    if not is_python_number(value):
+        raise TypeError(
+            f"`{name}` must be a Python float in (0, 1] (it decides array shapes); got {value!r}."
+        )
+    if not 0.0 < float(value) <= 1.0:
+        raise ValueError(f"`{name}` must lie in (0, 1]; got {value!r}.")
+    return float(value)
+
+
+def check_seed(seed: Any) -> int:
+    """Validates a ``seed`` argument: a Python (or NumPy) int, not a bool."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"`seed` must be a Python int; got {seed!r}.")
+    return int(seed)
+
+
 def is_constant(value: Any, constant: float) -> bool:
     """True when ``value`` is a Python number equal to ``constant``.
 

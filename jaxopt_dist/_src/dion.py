@@ -270,22 +270,6 @@ class DionState(NamedTuple):
     q: tuple[jax.Array, ...]  # (b, r) per matrix leaf, replicated
 
 
-def _check_rank_fraction(rank_fraction: Any) -> float:
-    if not base.is_python_number(rank_fraction):
-        raise TypeError(
-            f"`rank_fraction` must be a Python float in (0, 1] (it decides array shapes); got {rank_fraction!r}."
-        )
-    if not (0.0 < float(rank_fraction) <= 1.0):
-        raise ValueError(f"`rank_fraction` must lie in (0, 1]; got {rank_fraction!r}.")
-    return float(rank_fraction)
-
-
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"`seed` must be a Python int; got {seed!r}.")
-    return int(seed)
-
-
 def _check_scalar_mask(scalar_mask: Any) -> Any:
     if scalar_mask is not None and isinstance(scalar_mask, (str, bytes, int, float)):
         raise TypeError(
@@ -443,11 +427,11 @@ def scale_by_dion(
     """
     name = "scale_by_dion"
     axis_name = base.validate_axis_name(axis_name, allow_none=True)
-    rank_fraction = _check_rank_fraction(rank_fraction)
+    rank_fraction = base.check_fraction(rank_fraction, "rank_fraction")
     rank_multiple_of = base.check_positive_int(rank_multiple_of, "rank_multiple_of")
     base.check_hyperparameter(mu, "mu", lower=0.0, upper=1.0)
     base.check_hyperparameter(eps, "eps", lower=0.0)
-    seed = _check_seed(seed)
+    seed = base.check_seed(seed)
     scalar_mask = _check_scalar_mask(scalar_mask)
     invariant_updates = comm.check_invariant_mode(invariant_updates)
 

@@ -346,9 +346,7 @@ def dion2(
       ``microsoft/dion``, ``dion/dion2.py``
     """
     base.check_hyperparameter(learning_rate, "learning_rate", lower=0.0)
-    if not base.is_python_number(fraction) or not 0.0 < float(fraction) <= 1.0:
-        raise ValueError(f"`fraction` must be a Python float in (0, 1]; got {fraction!r}.")
-    fraction = float(fraction)
+    fraction = base.check_fraction(fraction, "fraction")
     base.check_hyperparameter(ef_decay, "ef_decay", lower=0.0, upper=1.0)
     base.check_hyperparameter(weight_decay, "weight_decay", lower=0.0)
     base.check_hyperparameter(eps, "eps", lower=0.0)

@@ -427,8 +427,7 @@ def powersgd(
     axis_name = base.validate_axis_name(axis_name)
     rank = base.check_positive_int(rank, "rank")
     start_step = base.check_positive_int(start_step, "start_step", minimum=0)
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"`seed` must be a Python int; got {seed!r}.")
+    base.check_seed(seed)
     if not base.is_python_number(min_compression_rate):
         raise TypeError(
             f"`min_compression_rate` must be a Python float (it decides array shapes); "
