@@ -145,7 +145,7 @@ def orthonormal_methods(n: int) -> dict[str, tuple[str, Any]]:
 # (a) bytes per step.
 
 
-def _padding(params: Any, n: int) -> float:
+def _split_share(params: Any, n: int) -> float:
     """The share of the matrices' entries our Muon / Dion2 split over ``n`` workers (the rest: every worker's)."""
     from jaxopt_dist._src import orthonormal as ortho
 
@@ -189,7 +189,7 @@ def bytes_table(widths: tuple[int, ...]) -> None:
                     cost, num_workers=w, bandwidth_gbps=LINK_GBPS, latency_us=LINK_LATENCY_US
                 )
             )
-            row[3][w] = f"{_padding(params, w):.2f}" if name in ("muon", "dion2") else "-"
+            row[3][w] = f"{_split_share(params, w):.2f}" if name in ("muon", "dion2") else "-"
     for label, sent, kinds, pads, _ in rows.values():
         cells = [label]
         for w in widths:
