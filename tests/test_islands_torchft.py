@@ -58,6 +58,20 @@ def _first_after(rows, t, island, without):
     return min(later, key=lambda r: r["time"])
 
 
+def _exclusion_bound(rows, before):
+    """Seconds the survivors may take to leave a dead or stopped island out of a committed round.
+
+    The round in flight finishes its inner steps, its all-reduce times out (``--timeout`` 2 s), the
+    next quorum waits out the heartbeat (2 s) and the join window (2 s), and the redone exchange
+    runs: the configured timeouts plus three rounds at the pace island 0 kept before the fault (so
+    a loaded machine widens the bound with its own slowness) and a margin, never more than 25 s,
+    short of the quorum timeout (30 s).
+    """
+    times = [r["time"] for r in _rounds(rows, 0) if r["time"] < before]
+    pace = float(np.median(np.diff(times))) if len(times) > 2 else 2.0
+    return min(2.0 + 2.0 + 2.0 + 3 * pace + 4.0, 25.0)
+
+
 def _event_time(cluster, name, island):
     return next(e["time"] for e in cluster.events if e["event"] == name and e.get("island") == island)
 
@@ -144,7 +158,7 @@ def test_kills_stops_and_restarts(tmp_path):
     assert summary["hangs"] == 0 and summary["divergent_anchors"] == 0 and summary["errors"] == [], summary
     # The survivors leave a killed island out of their next committed round, soon.
     killed = _event_time(cluster, "SIGKILL", 2)
-    assert _first_after(rows, killed, 0, without=2)["time"] - killed < 10.0
+    assert _first_after(rows, killed, 0, without=2)["time"] - killed < _exclusion_bound(rows, killed)
     # The round in flight when island 1 died inside its all-reduce is kept: redone among the survivors.
     r12 = [r for r in _rounds(rows, 0) if r["round"] == 12]
     assert len(r12) == 1 and "1" not in r12[0]["participants"] and r12[0]["redone"] >= 1
@@ -155,9 +169,9 @@ def test_kills_stops_and_restarts(tmp_path):
         assert h["weights"][h["participants"].index(str(i))] == 0.0
         nxt = [r for r in _rounds(rows, i) if r["round"] == h["round"] + 1][0]
         assert nxt["weights"][nxt["participants"].index(str(i))] == 1.0
-    # A stopped island is left out within the heartbeat timeout (2 s) and a margin, then heals.
+    # A stopped island is left out within the same bound (its heartbeats stop too), then heals.
     stop = _event_time(cluster, "SIGSTOP", 2)
-    assert _first_after(rows, stop, 0, without=2)["time"] - stop < 2.0 + 6.0
+    assert _first_after(rows, stop, 0, without=2)["time"] - stop < _exclusion_bound(rows, stop)
     assert any(r["healed"] and r["time"] > stop for r in _rounds(rows, 2))
     done = [r for r in rows if r.get("done")]
     assert len(done) == 3 and done[0]["val_loss"] < _rounds(rows, 0)[0]["val_loss"]
