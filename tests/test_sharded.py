@@ -186,6 +186,31 @@ def test_declared_flat_buffers_are_split_over_the_model_axes_that_divide_them():
     assert model_axes.state_specs(state, params, specs)[0].error == (P(), P(), P())
 
 
+class _StackState(NamedTuple):
+    stacks: tuple[jax.Array, ...]
+    other: tuple[jax.Array, ...]
+
+    MATRIX_STACKS = ("stacks",)
+
+
+def test_declared_matrix_stacks_are_split_on_rows_else_columns_else_count():
+    params = {"a": jnp.zeros((8, 4))}
+    specs = {"a": P("fsdp", "tensor")}
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
+    stacks = tuple(jnp.zeros(s) for s in ((3, 16, 6), (3, 6, 16), (3, 4, 6), (8, 3, 5), (3, 3, 5), (1, 6, 12)))
+    got = model_axes.state_specs(_StackState(stacks, stacks), params, specs, mesh=mesh)
+    fs = ("fsdp", "tensor")
+    assert got.stacks == (
+        P(None, fs, None),  # the rows take both axes (8 divides 16)
+        P(None, None, fs),  # rows 6 take "fsdp" neither; the columns take both
+        P(None, ("fsdp",), None),  # 4 rows: "fsdp" alone; columns 6 no better
+        P(fs, None, None),  # neither side divides: the count
+        P(),  # nothing divides: whole
+        P(None, None, ("fsdp",)),  # 6 rows: none; 12 columns: "fsdp" (8 does not divide 12)
+    )
+    assert got.other == (P(),) * 6  # undeclared: never guessed from a shape
+
+
 def test_place_opt_state_round_trip_with_param_specs():
     tx = optax.chain(jd.top_k(k=40), optax.adam(1e-2))
     mesh = _mesh("fsdp")

@@ -47,9 +47,9 @@ IDS = [c[0] for c in CASES]
 # Optimizer-state leaves sharded like a parameter, besides the parameters (default: Adam's two moments
 # of each); and whether each device holds a quarter of the replicated run's bytes. Dion: its momentum
 # of the two kernels and AdamW's moments of the sharded bias (its Q, r x the shorter side, is
-# replicated: 27% here). Muon keeps each worker's share of the stacked momentum whole on its "fsdp"
-# devices (split over the data axis, not the model axes).
-SHARDED_STATE = {"dion": (4, False), "muon": (2, False)}
+# replicated: 27% here). Muon's momentum, stacked by shape (its state's MATRIX_STACKS), is split over
+# "fsdp" on the stacks' rows: a quarter per device, as the parameters.
+SHARDED_STATE = {"dion": (4, False), "muon": (2, True)}
 
 
 def _meshes():

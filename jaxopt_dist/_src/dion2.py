@@ -106,10 +106,13 @@ class Dion2State(NamedTuple):
         checkpoint zero-size arrays).
 
     ``RESHARD_NOTE`` (a class attribute, not a field) says so, for
-    :func:`jaxopt_dist.reshard_opt_state`'s refusal.
+    :func:`jaxopt_dist.reshard_opt_state`'s refusal. ``MATRIX_STACKS`` (a
+    class attribute too) names the stacked fields, which a sharded model's
+    front ends split over its model axes (on the rows, else the columns).
     """
 
     RESHARD_NOTE = ortho.RESHARD_NOTE
+    MATRIX_STACKS = ("momentum", "momentum_rest")
 
     count: jax.Array  # int32[], replicated
     momentum: tuple[jax.Array, ...]  # (c_g // W, a, b) per group where > 0, per-worker

@@ -124,22 +124,24 @@ def model_axes(param_specs: Any) -> tuple[Any, ...]:
     return tuple(seen)
 
 
-def flat_buffer_paths(state: Any) -> set[tuple[Any, ...]]:
-    """Paths of the leaves of ``state`` in fields that their state's class declares flat buffers.
+def declared_paths(state: Any, attr: str = "FLAT_BUFFERS") -> set[tuple[Any, ...]]:
+    """Paths of the leaves of ``state`` in the fields that their state's class lists in ``attr``.
 
-    A state class (a NamedTuple) lists such fields in a class attribute
-    ``FLAT_BUFFERS``, e.g. ``FLAT_BUFFERS = ("worker_error", "server_error")``:
-    fields holding one 1-D buffer per parameter leaf, of a length no
-    parameter has (the leaf flattened and padded).
+    A state class (a NamedTuple) lists such fields in a class attribute:
+    ``FLAT_BUFFERS``, e.g. ``FLAT_BUFFERS = ("worker_error", "server_error")``,
+    for fields holding one 1-D buffer per parameter leaf, of a length no
+    parameter has (the leaf flattened and padded); ``MATRIX_STACKS``, e.g.
+    ``MATRIX_STACKS = ("mu", "mu_rest")``, for fields holding stacks of
+    matrices ``(count, rows, cols)`` gathered from several parameters.
     """
 
     def declares(x: Any) -> bool:
-        return isinstance(x, tuple) and bool(getattr(type(x), "FLAT_BUFFERS", ()))
+        return isinstance(x, tuple) and bool(getattr(type(x), attr, ()))
 
     found: set[tuple[Any, ...]] = set()
     for path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=declares)[0]:
         if declares(node):
-            for field in type(node).FLAT_BUFFERS:
+            for field in getattr(type(node), attr):
                 head = (*path, jax.tree_util.GetAttrKey(field))
                 found.update(
                     (*head, *sub) for sub, _ in jax.tree_util.tree_leaves_with_path(getattr(node, field))
@@ -147,14 +149,36 @@ def flat_buffer_paths(state: Any) -> set[tuple[Any, ...]]:
     return found
 
 
-def flat_buffer_spec(length: int, axes: tuple[Any, ...], mesh: Any) -> P:
-    """A 1-D buffer of ``length`` split over ``axes``, or over the longest leading run that divides it."""
+def _leading_run(length: int, axes: tuple[Any, ...], mesh: Any) -> list[Any]:
+    """The longest leading run of ``axes`` whose devices divide ``length``."""
     use: list[Any] = []
     for a in axes:
         if length % int(np.prod([mesh.shape[b] for b in (*use, a)])):
             break
         use.append(a)
+    return use
+
+
+def flat_buffer_spec(length: int, axes: tuple[Any, ...], mesh: Any) -> P:
+    """A 1-D buffer of ``length`` split over ``axes``, or over the longest leading run that divides it."""
+    use = _leading_run(length, axes, mesh)
     return P(tuple(use)) if use else P()
+
+
+def matrix_stack_spec(shape: tuple[int, ...], axes: tuple[Any, ...], mesh: Any) -> P:
+    """A stack of matrices ``(count, rows, cols)`` split over ``axes`` on one dimension.
+
+    The rows, else the columns, else the count: the first that the most of
+    ``axes`` (a leading run of them) divide. Nothing divisible: replicated.
+    """
+    best, dim = [], None
+    for d in (1, 2, 0)[: len(shape)]:
+        use = _leading_run(shape[d], axes, mesh)
+        if len(use) > len(best):
+            best, dim = use, d
+    if dim is None:
+        return P()
+    return P(*[tuple(best) if d == dim else None for d in range(len(shape))])
 
 
 def state_specs(state: Any, params: Any, param_specs: Any, *, mesh: Any = None) -> Any:
@@ -167,11 +191,15 @@ def state_specs(state: Any, params: Any, param_specs: Any, *, mesh: Any = None) 
     (a list of one fragment's leaves, as DiLoCo's outer state keeps) takes
     the spec of the parameters of its shape when they all share one. Such a
     leaf is sharded like its parameter. With ``mesh`` (its axis sizes), a 1-D
-    leaf of a field its state declares a flat buffer (:func:`flat_buffer_paths`)
-    is split over the model axes of ``param_specs`` (:func:`flat_buffer_spec`).
-    Every other leaf is ``P()`` over the model axes.
+    leaf of a field its state declares a flat buffer (:func:`declared_paths`)
+    is split over the model axes of ``param_specs`` (:func:`flat_buffer_spec`),
+    and a 3-D leaf of a field it declares a matrix stack on one of its
+    dimensions (:func:`matrix_stack_spec`): Muon's and Dion2's momentum,
+    stacked by shape, is then held once over the model axes, as the
+    parameters are. Every other leaf is ``P()`` over the model axes.
     """
-    flat_paths = flat_buffer_paths(state) if mesh is not None else set()
+    flat_paths = declared_paths(state, "FLAT_BUFFERS") if mesh is not None else set()
+    stack_paths = declared_paths(state, "MATRIX_STACKS") if mesh is not None else set()
     axes = model_axes(param_specs)
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     specs = jax.tree.leaves(param_specs, is_leaf=is_spec)
@@ -185,6 +213,8 @@ def state_specs(state: Any, params: Any, param_specs: Any, *, mesh: Any = None) 
         shape = np.shape(leaf)
         if len(shape) == 1 and tuple(path) in flat_paths:
             return flat_buffer_spec(shape[0], axes, mesh)
+        if len(shape) == 3 and tuple(path) in stack_paths:
+            return matrix_stack_spec(shape, axes, mesh)
         for n in lengths:
             sp = owner.get((tuple(path[len(path) - n :]) if n else (), shape))
             if n <= len(path) and sp is not None:

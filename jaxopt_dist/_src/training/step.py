@@ -491,8 +491,11 @@ def data_parallel_step(
         1-D error buffers of :func:`jaxopt_dist.onebit_adam` and
         :func:`jaxopt_dist.zero_one_adam`) are split along their length over
         the parameters' model axes (as many of them, in order, as divide it;
-        ``P("data", ("fsdp",))`` when per-worker); the rest (counters, keys,
-        PowerSGD's factors) is replicated over the model axes. None:
+        ``P("data", ("fsdp",))`` when per-worker), and the stacks of matrices
+        it declares in ``MATRIX_STACKS`` (the momentum of
+        :func:`jaxopt_dist.muon` and :func:`jaxopt_dist.dion2`) on their rows,
+        else their columns; the rest (counters, keys, PowerSGD's factors) is
+        replicated over the model axes. None:
         parameters replicated on every device of a worker.
       batch_axes: model axes that also split the batch, e.g. ``"fsdp"`` for
         FSDP (the batch's leading axis is then split over the data axes and
