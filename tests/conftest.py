@@ -23,3 +23,30 @@ def _needs_devices(request):
     marker = request.node.get_closest_marker("devices")
     if marker is not None and jax.device_count() < marker.args[0]:
         pytest.skip(f"needs {marker.args[0]} devices, have {jax.device_count()}")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--backends",
+        default=None,
+        help="comma-separated subset of vmap,shard_map: tests parametrized by `backend` run under "
+        "these only (CI's oldest-JAX leg: shard_map, the stricter with check_vma on)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    keep = config.getoption("--backends")
+    if not keep:
+        return
+    keep = {b.strip() for b in keep.split(",")}
+    if unknown := keep - {"vmap", "shard_map"}:
+        raise pytest.UsageError(f"--backends: unknown {sorted(unknown)}; choose from vmap, shard_map")
+
+    def dropped(item):
+        backend = getattr(item, "callspec", None) and item.callspec.params.get("backend")
+        return backend in ("vmap", "shard_map") and backend not in keep
+
+    gone = [item for item in items if dropped(item)]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = [item for item in items if not dropped(item)]
