@@ -126,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
+    ap.add_argument(
+        "--muon-lr", type=float, default=0.02, help="the Muon, Dion and Dion2 rows' peak learning rate (matrices)"
+    )
     ap.add_argument("--batch", type=int, default=16, help="windows per step over all 8 devices")
     ap.add_argument("--eval-windows", type=int, default=256)
     ap.add_argument("--eval-every", type=int, default=100, help="steps between validation evaluations")
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
         [
             *("--steps", str(args.steps), "--dim", str(args.dim), "--depth", str(args.depth)),
             *("--context", str(args.context), "--batch", str(args.batch)),
-            *("--heads", str(args.heads), "--lr", str(args.lr)),
+            *("--heads", str(args.heads), "--lr", str(args.lr), "--muon-lr", str(args.muon_lr)),
             *(["--one-device"] if args.one_device else []),
             *("--eval-every", str(args.eval_every), "--eval-windows", str(args.eval_windows)),
             *("--warmup", str(max(1, args.steps // 20))),
