@@ -24,8 +24,8 @@ QUICK = {
     "bench_dimreduce": ["--quick"],
     "bench_gossip": ["--quick"],
     "bench_hierarchical": ["--memory-only", "--quick"],
-    "bench_lm": ["--quick", "--methods", "dense,diloco50,streaming,powersgd,demo,sparseloco50,muloco50"],
-    "bench_lowcomm": ["--quick"],
+    "bench_lm": ["--quick", "--methods", "dense,diloco50,powersgd,muloco50"],
+    "bench_lowcomm": ["--quick", "--models", "digits MLP"],
     "bench_overhead": ["--quick"],
     "multihost_sum_order": [],
 }
