@@ -127,7 +127,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
     ap.add_argument(
-        "--muon-lr", type=float, default=0.02, help="the Muon, Dion and Dion2 rows' peak learning rate (matrices)"
+        "--muon-lr",
+        type=float,
+        default=0.02,
+        help="the Muon, Dion and Dion2 rows' peak learning rate (matrices)",
     )
     ap.add_argument("--batch", type=int, default=16, help="windows per step over all 8 devices")
     ap.add_argument("--eval-windows", type=int, default=256)

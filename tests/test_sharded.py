@@ -197,7 +197,9 @@ def test_declared_matrix_stacks_are_split_on_rows_else_columns_else_count():
     params = {"a": jnp.zeros((8, 4))}
     specs = {"a": P("fsdp", "tensor")}
     mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"))
-    stacks = tuple(jnp.zeros(s) for s in ((3, 16, 6), (3, 6, 16), (3, 4, 6), (8, 3, 5), (3, 3, 5), (1, 6, 12)))
+    stacks = tuple(
+        jnp.zeros(s) for s in ((3, 16, 6), (3, 6, 16), (3, 4, 6), (8, 3, 5), (3, 3, 5), (1, 6, 12))
+    )
     got = model_axes.state_specs(_StackState(stacks, stacks), params, specs, mesh=mesh)
     fs = ("fsdp", "tensor")
     assert got.stacks == (
