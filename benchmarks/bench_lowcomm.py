@@ -235,10 +235,10 @@ def main() -> None:
             c = cost(name, model, steps)
             accs = [train(name, model, steps, s, data) for s in range(seeds)]
             ratio = dense_bytes / c.sent_bytes if c.sent_bytes else math.inf
-            budget = max(1, int(round(steps / ratio)))
             if name == dense or args.quick:  # --quick: a smoke run, without the third training per row
                 at_bytes = "-"
             else:
+                budget = max(1, int(round(steps / ratio)))
                 at_bytes = f"{100 * np.mean([train(dense, model, budget, s, data) for s in range(seeds)]):.1f}% ({budget} steps)"
             print(
                 _common.markdown_row(

@@ -46,7 +46,9 @@ def pytest_collection_modifyitems(config, items):
         backend = getattr(item, "callspec", None) and item.callspec.params.get("backend")
         return backend in ("vmap", "shard_map") and backend not in keep
 
-    gone = [item for item in items if dropped(item)]
+    kept, gone = [], []
+    for item in items:
+        (gone if dropped(item) else kept).append(item)
     if gone:
         config.hook.pytest_deselected(items=gone)
-        items[:] = [item for item in items if not dropped(item)]
+        items[:] = kept

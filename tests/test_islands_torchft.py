@@ -150,12 +150,11 @@ def test_kills_stops_and_restarts(tmp_path):
 
         time.sleep(2.0)
     except BaseException:
-        if stopped:
-            cluster.signal(2, chaos.signal.SIGCONT)
         cluster.wait(0)  # kills the islands still running and the lighthouse: nothing outlives a failure
         raise
-    if stopped:
-        cluster.signal(2, chaos.signal.SIGCONT)
+    finally:
+        if stopped:
+            cluster.signal(2, chaos.signal.SIGCONT)
     hung = cluster.wait(300)
     rows = cluster.rows()
     summary = chaos.summarize(rows, hung)

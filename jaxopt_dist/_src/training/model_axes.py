@@ -124,7 +124,7 @@ def model_axes(param_specs: Any) -> tuple[Any, ...]:
     return tuple(seen)
 
 
-def declared_paths(state: Any, attr: str = "FLAT_BUFFERS") -> set[tuple[Any, ...]]:
+def declared_paths(state: Any, attr: str) -> set[tuple[Any, ...]]:
     """Paths of the leaves of ``state`` in the fields that their state's class lists in ``attr``.
 
     A state class (a NamedTuple) lists such fields in a class attribute:
@@ -172,7 +172,7 @@ def matrix_stack_spec(shape: tuple[int, ...], axes: tuple[Any, ...], mesh: Any) 
     ``axes`` (a leading run of them) divide. Nothing divisible: replicated.
     """
     best, dim = [], None
-    for d in (1, 2, 0)[: len(shape)]:
+    for d in (1, 2, 0):
         use = _leading_run(shape[d], axes, mesh)
         if len(use) > len(best):
             best, dim = use, d
