@@ -141,7 +141,7 @@ def test_orthogonal_inputs_give_their_sum_exactly(backend, method, n):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("n", (2, 5, 8))
+@pytest.mark.parametrize("n", (2, 5, pytest.param(8, marks=pytest.mark.slow)))  # 8: 18 s each, traced
 def test_identical_inputs_give_that_input_exactly(method, n):
     one = _worker_grads(1, seed=3)
     for dtype in (np.float32, jnp.bfloat16):
@@ -570,6 +570,7 @@ def test_horovod_acceptance_cases(case, dtype, n, method):
     _check_horovod_case(_VMAPPED[method], case, n, dtype, big=False)
 
 
+@pytest.mark.slow  # 8 workers: 17-24 s each, mostly tracing the butterfly's program
 @pytest.mark.parametrize("method", METHODS)
 def test_horovod_parallel_case_on_8_workers(method):
     # The hardest case: the 147-entry columns' mean is 1/30 of their norms; float32
