@@ -53,7 +53,8 @@ class TorchftTransport(Transport):
     hostname: str = dataclasses.field(default_factory=socket.gethostname)
     _manager: Any = dataclasses.field(default=None, init=False, repr=False)
     _store: Any = dataclasses.field(default=None, init=False, repr=False)
-    _healed: bool = dataclasses.field(default=False, init=False, repr=False)
+    _received: Any = dataclasses.field(default=None, init=False, repr=False)
+    _load: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def bind(self, island_id: int, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
         torch = _optional("torch")
@@ -64,14 +65,12 @@ class TorchftTransport(Transport):
         torch.set_num_threads(1)
         self._store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
 
-        def load_marked(state: Any) -> None:
-            self._healed = True
-            load(state)
+        self._load = load
 
         seconds = timedelta(seconds=self.timeout)
         self._manager = Manager(
             pg=ProcessGroupGloo(timeout=seconds),
-            load_state_dict=load_marked,
+            load_state_dict=self._received_state,
             state_dict=save,
             min_replica_size=self.min_islands,
             use_async_quorum=False,
@@ -89,9 +88,21 @@ class TorchftTransport(Transport):
             quorum_retries=self.quorum_retries,
         )
 
+    def _received_state(self, state: Any) -> None:
+        """torchft's ``load_state_dict``: kept until :meth:`quorum` knows whether the heal is real."""
+        self._received = state
+
     def quorum(self) -> bool:
-        """Asks the lighthouse again every ``requery`` seconds until a quorum forms (see below)."""
-        self._healed = False
+        """Asks the lighthouse again every ``requery`` seconds until a quorum forms (see the class).
+
+        A renewal can leave an older request of this island at the lighthouse,
+        carrying the step it had then; a quorum formed with it has torchft heal
+        this island although its state is already at the quorum's step. Such a
+        heal (the step unchanged by it) is not passed on: the island keeps its
+        own state and takes part as usual.
+        """
+        self._received = None
+        before = self._manager.current_step()
         deadline = time.monotonic() + self.quorum_timeout
         while True:
             wait = min(self.requery, max(deadline - time.monotonic(), 0.001))
@@ -104,7 +115,11 @@ class TorchftTransport(Transport):
                     raise IslandsError(f"no quorum of islands within {self.quorum_timeout} s: {e}") from e
         if self._manager.errored():
             raise ExchangeError(f"the quorum failed: {self._manager.errored()}")
-        return self._healed
+        received, self._received = self._received, None
+        healed = received is not None and self._manager.current_step() != before
+        if healed:
+            self._load(received)
+        return healed
 
     def allreduce(self, buf: np.ndarray) -> np.ndarray:
         torch = _optional("torch")
