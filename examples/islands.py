@@ -81,6 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--coordinator", default=None, help="HOST:PORT of the island's jax.distributed coordinator"
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="an island of several processes shards the MLP's matrices (and their state) over its "
+        "devices instead of replicating them",
+    )
     p.add_argument("--log", default=None, help="append one JSON line per synchronisation here")
     p.add_argument("--anchors-dir", default=None, help="save the anchor after each round here (round<R>.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per inner step")
@@ -118,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             "an island of several processes needs --coordinator HOST:PORT and 0 <= --process-id < --num-processes"
         )
+    if args.fsdp and args.num_processes < 2:
+        p.error("--fsdp shards over the devices of an island of several processes (--num-processes >= 2)")
     if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
         p.error("give --serve-lighthouse HOST:PORT, or --island-id ID and --lighthouse HOST:PORT")
     for name in ("steps", "sync_every", "num_fragments", "batch_size", "hidden", "min_islands"):
@@ -189,7 +197,7 @@ def build(args: argparse.Namespace) -> Setup:
         num_fragments=args.num_fragments,
         sync_delay=args.sync_delay,
     )
-    # addressable_data(0): this process's copy (an island of several processes holds replicated arrays)
+    # addressable_data(0): this process's copy of the loss (replicated over an island's devices)
     return Setup(loss_fn, params, tx, batch_for, lambda p: float(np.asarray(val(p).addressable_data(0))))
 
 
@@ -272,6 +280,14 @@ def run_island(args: argparse.Namespace) -> int:
         if lead:
             print(line, flush=True)
 
+    def whole(x: Any) -> Any:
+        """A leaf's whole value: this process's copy, or (--fsdp) gathered from the island's processes."""
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
     logging_seconds = [0.0]  # --timings: time spent here (the example's own per-round evaluation and log)
 
     def on_sync(rec: Any, params: Any, opt_state: Any) -> None:
@@ -280,7 +296,7 @@ def run_island(args: argparse.Namespace) -> int:
         if args.anchors_dir:
             os.makedirs(args.anchors_dir, exist_ok=True)
             path = os.path.join(args.anchors_dir, f"island{args.island_id}_round{rec.round}.npz")
-            np.savez(path, step=rec.step, **{k: np.asarray(v.addressable_data(0)) for k, v in anchor.items()})
+            np.savez(path, step=rec.step, **{k: whole(v) for k, v in anchor.items()})
         log(
             round=rec.round,
             step=rec.step,
@@ -295,7 +311,11 @@ def run_island(args: argparse.Namespace) -> int:
         )
         logging_seconds[0] += time.perf_counter() - started
 
-    if jax.process_count() > 1:  # dense data parallelism over the island's devices, one DiLoCo worker
+    if jax.process_count() > 1 and args.fsdp:  # the matrices split over the island's devices
+        mesh = jax.make_mesh((1, jax.device_count()), ("data", "fsdp"))
+        specs = {"w1": jax.P(None, "fsdp"), "b1": jax.P(), "w2": jax.P("fsdp", None), "b2": jax.P()}
+        inside = dict(param_specs=specs, batch_axes="fsdp")
+    elif jax.process_count() > 1:  # dense data parallelism over the island's devices, one DiLoCo worker
         mesh = jax.make_mesh((1, jax.device_count()), ("data", "replica"))
         inside = dict(param_specs=jax.P(), batch_axes="replica")
     else:

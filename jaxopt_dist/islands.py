@@ -79,9 +79,10 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     ``sync_delay``, ``mixing``, ``aggregate``; not ``eager``), with
     ``per_worker_params=True`` and a data axis of size 1: the island is one
     DiLoCo worker, and splits its batch over its own devices with the step's
-    ``batch_axes`` as usual (its parameters replicated over them,
-    ``param_specs=jax.P()``; parameters sharded over model axes are not
-    supported yet and are rejected at ``init``). The island runs the diloco's
+    ``batch_axes`` as usual, its parameters replicated over them
+    (``param_specs=jax.P()``) or sharded over its model axes (FSDP inside the
+    island), in one process or several under the island's own
+    ``jax.distributed``. The island runs the diloco's
     ``external`` twin: after the step that sends a fragment, it runs the
     ``aggregate`` on its own devices and merges the result with the other
     islands' in one SUM all-reduce of ``[w * d, w]`` (``w``: 1, or the tokens

@@ -170,13 +170,24 @@ VARIANTS = {
     "streaming_delay": dict(num_fragments=2, sync_delay=1),
     "streaming_mixing": dict(num_fragments=2, mixing=0.5),
     "quantized": dict(aggregate="statistical_quantize"),
+    # Two-stage aggregates: each island sends its first stage; the merged mean is re-quantized.
+    "quantized_mean_requantized": dict(aggregate="statistical_quantize_requantized"),
+    # low_bit's blocks are cut over each island's whole vector, and per worker chunk in process:
+    # the same blocks when block_size divides the chunk (56 entries on 3 workers: chunks of 24).
+    "low_bit": dict(aggregate="low_bit"),
 }
 
 
 def _maker(opts):
     opts = dict(opts)
-    if opts.get("aggregate") == "statistical_quantize":  # MuLoCo's 2-bit outer gradients, with error feedback
-        opts["aggregate"] = jd.statistical_quantize(2, requantize_mean=False)
+    aggregates = {  # MuLoCo's 2-bit outer gradients, with error feedback; Streaming DiLoCo's 4-bit
+        "statistical_quantize": lambda: jd.statistical_quantize(2, requantize_mean=False),
+        "statistical_quantize_requantized": lambda: jd.statistical_quantize(2),
+        "low_bit": lambda: jd.low_bit(3, 0, block_size=8),
+    }
+    if "aggregate" in opts:
+        make = aggregates[opts["aggregate"]]
+        return lambda: jd.diloco(optax.adam(0.05), sync_every=H, **{**opts, "aggregate": make()})
     return lambda: jd.diloco(optax.adam(0.05), sync_every=H, **opts)
 
 
@@ -402,3 +413,37 @@ def test_islands_with_fsdp_sharded_parameters_match_replicated_ones(variant, rep
         assert after == before  # params, anchor, inner, outer and aggregate states: as the step placed them
         assert final_anchor["w1"].sharding.spec == jax.P(None, "fsdp")
         assert final_anchor["w2"].sharding.spec == jax.P("fsdp", None)
+
+
+class _StandInManager:
+    """Just what TorchftTransport.quorum reads of torchft's Manager: a quorum that may heal
+    this island (calling its load with the source's state) and move its step to ``to_step``."""
+
+    def __init__(self, step, heal_to=None):
+        self.step, self.heal_to, self.load = step, heal_to, None
+        self._quorum_future = None
+
+    def start_quorum(self, timeout=None):
+        if self.heal_to is not None:
+            self.load({"from": "peer"})
+            self.step = self.heal_to
+
+    def errored(self):
+        return None
+
+    def current_step(self):
+        return self.step
+
+
+@pytest.mark.parametrize("heal_to, healed", [(None, False), (7, False), (9, True)])
+def test_torchft_transport_passes_on_only_a_heal_that_moves_the_step(heal_to, healed):
+    """torchft heals an island whose quorum request carried an older step than it has now (a stale
+    renewal): at step 7 with the quorum's step 7, the island keeps its own state."""
+    transport = islands.torchft_transport("127.0.0.1:1", requery=0.01, quorum_timeout=1.0)
+    got = []
+    manager = _StandInManager(7, heal_to)
+    transport._manager = manager  # no torch: the manager's part is played by the stand-in
+    transport._load = got.append
+    manager.load = transport._received_state
+    assert transport.quorum() is healed
+    assert got == ([{"from": "peer"}] if healed else [])

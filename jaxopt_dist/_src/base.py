@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -319,3 +320,40 @@ def renamed_keyword(value: Any, old_value: Any, *, new: str, old: str) -> Any:
         raise TypeError(f"Pass `{new}` only: `{old}` is its deprecated spelling, not a second setting.")
     warn_renamed(old, new, stacklevel=4)
     return old_value
+
+
+# ----------------------------------------------------------------------------
+# Aggregates whose mean has a second stage (a re-quantization of the mean).
+
+
+class TwoStage:
+    """An aggregate whose result is a deterministic second stage applied to a mean.
+
+    For merges that compute the mean elsewhere (islands: over a transport):
+    ``first`` is the same aggregate without its second stage (each worker's
+    decoded message, averaged as usual, with the same state and error
+    feedback), and ``second(leaves, state)`` maps the mean of those to the
+    aggregate's result, given the aggregate's state before the step (the
+    same on every worker), with no communication.
+    """
+
+    def __init__(self, first: optax.GradientTransformation, second: Any):
+        self.first, self.second = first, second
+
+
+_TWO_STAGE: weakref.WeakKeyDictionary[Any, TwoStage] = weakref.WeakKeyDictionary()
+
+
+def declare_two_stage(tx: Any, first: optax.GradientTransformation, second: Any) -> Any:
+    """Records that ``tx`` (an aggregate) is ``second`` after the mean of ``first``; returns ``tx``."""
+    _TWO_STAGE[tx.update] = TwoStage(first, second)
+    return tx
+
+
+def two_stage_of(tx: Any) -> TwoStage | None:
+    """The :class:`TwoStage` declared for ``tx``, or None (its result is the mean itself)."""
+    update = getattr(tx, "update", None)
+    try:
+        return _TWO_STAGE.get(update) if update is not None else None
+    except TypeError:  # not weak-referenceable
+        return None

@@ -234,6 +234,14 @@ class OuterExchange:
         state)``, per worker, the outer step of fragment ``f`` that the
         ``trusting`` step leaves undone (its synchronising step only sends),
         for a runner that exchanges between that step and the next.
+      run_first: as ``run``, with the ``aggregate``'s first stage only when it
+        has a second (a re-quantization of the mean, e.g.
+        :func:`jaxopt_dist.low_bit`): for a runner that takes the mean itself
+        (islands, over a transport) and then applies ``finish``.
+      finish: ``(f, mean_f, aggregate_state_f) -> aggregate_f``: the
+        ``aggregate``'s second stage on such a mean (``aggregate_state_f``
+        before the step), without communication; the identity when it has
+        none.
     """
 
     sync_every: int
@@ -244,6 +252,8 @@ class OuterExchange:
     axis_name: base.AxisName
     trusting: Any = None
     land: Callable[..., tuple[Any, Any]] | None = None
+    run_first: Callable[..., tuple[list[Any], Any]] | None = None
+    finish: Callable[..., list[Any]] | None = None
 
     def launches_after(self, step: int) -> list[int]:
         """The fragments whose exchange can start once inner step ``step`` (0-based) is done."""
@@ -488,10 +498,23 @@ def diloco(
 
         return init_fn
 
-    def exchange(f, pseudo, agg_state_f, anchor_f):
-        """The aggregate of one fragment's pseudo-gradients: (leaves, new aggregate state)."""
-        mean, new_agg = aggregate.update(list(pseudo), agg_state_f, list(anchor_f))
-        return [m.astype(p.dtype) for m, p in zip(jax.tree.leaves(mean), pseudo)], new_agg
+    def exchange_with(agg):
+        def run(f, pseudo, agg_state_f, anchor_f):
+            """The aggregate of one fragment's pseudo-gradients: (leaves, new aggregate state)."""
+            mean, new_agg = agg.update(list(pseudo), agg_state_f, list(anchor_f))
+            return [m.astype(p.dtype) for m, p in zip(jax.tree.leaves(mean), pseudo)], new_agg
+
+        return run
+
+    exchange = exchange_with(aggregate)
+    stages = base.two_stage_of(aggregate)
+
+    def finish(f, mean, agg_state_f):
+        """An aggregate's second stage on a mean of first stages taken elsewhere (identity if none)."""
+        del f
+        if stages is None:
+            return list(mean)
+        return [m.astype(x.dtype) for m, x in zip(stages.second(list(mean), agg_state_f), mean)]
 
     def land(f, delta, c, groups, alpha, outer_states):
         """``c`` after fragment ``f``'s outer step with the aggregate ``delta`` (the blend with ``alpha``)."""
@@ -655,6 +678,8 @@ def diloco(
             axis_name=axis_name,
             trusting=trusting,
             land=land_after_send if with_land else None,
+            run_first=exchange if stages is None else exchange_with(stages.first),
+            finish=finish,
         )
 
     tx = DiLoCoTransformation(make_init(overlap), make_update(overlap, fallback=True))

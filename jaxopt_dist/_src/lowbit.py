@@ -211,4 +211,25 @@ def low_bit(
     block_size = base.check_positive_int(block_size, "block_size")
     base.check_bool(error_feedback, "error_feedback")
     grid = float_grid(e_bits, m_bits)
-    return ef.error_feedback(_low_bit_compressor(grid, bits, block_size, axis_name), enabled=error_feedback)
+    tx = ef.error_feedback(_low_bit_compressor(grid, bits, block_size, axis_name), enabled=error_feedback)
+    # For a mean taken elsewhere (islands): on one worker the second stage re-quantizes the worker's
+    # own decoded message, which gives it back unchanged (each block's largest magnitude is its
+    # scale), so the first stage is the transform itself; the second re-quantizes the mean in one
+    # worker's layout (blocks cut over the whole vector).
+    return base.declare_two_stage(
+        tx, tx, lambda leaves, state: _requantize_whole(leaves, grid, bits, block_size)
+    )
+
+
+def _requantize_whole(
+    leaves: list[jax.Array], grid: np.ndarray, bits: int, block_size: int
+) -> list[jax.Array]:
+    """The second stage on a mean every worker holds, in one worker's layout (one chunk)."""
+    if not leaves:
+        return leaves
+    total = sum(base.leaf_sizes(leaves))
+    chunk, blocks = _layout(total, 1, block_size)
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    row = jnp.pad(flat, (0, chunk - total))[None]
+    out = _decode(_encode(row, grid, bits, block_size, blocks), grid, bits, chunk, block_size, blocks)
+    return base.split_flat(out.reshape(-1)[:total], leaves, jax.tree.structure(leaves))

@@ -384,16 +384,46 @@ def statistical_quantize(
             rows, m = _rows(g.shape, row_wise)
             codes = _unpack_bits(next(gathered), rows * m, bits).reshape(n, rows, m)
             mean = jnp.sum(_decode(next(gathered), codes), axis=0) / jnp.asarray(n, e.dtype)
-            if requantize_mean:
-                codes, book = statistical_codes(mean, bits, spread, replicated=True)
-                mean = _decode(book, codes)
-            out.append(mean.reshape(g.shape).astype(g.dtype))
+            out.append(
+                (_requantized(mean, bits, spread) if requantize_mean else mean)
+                .reshape(g.shape)
+                .astype(g.dtype)
+            )
         return jax.tree.unflatten(treedef, out), StatisticalQuantizeState(
             count=jnp.asarray(optax.safe_increment(state.count)),
             error=jax.tree.unflatten(treedef, new_errors),
         )
 
-    return comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), name)
+    def second_stage(leaves, state):
+        """The re-quantization of a mean computed elsewhere (``state``: before the step)."""
+        spread = base.resolve(quantization_range, state.count)
+        flags = [f and math.prod(x.shape) > 0 for f, x in zip(_mask_flags(mask, leaves, name), leaves)]
+        return [
+            _requantized(x.reshape(_rows(x.shape, row_wise)), bits, spread).reshape(x.shape).astype(x.dtype)
+            if keep
+            else x
+            for x, keep in zip(leaves, flags)
+        ]
+
+    tx = comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), name)
+    if not requantize_mean:
+        return tx
+    first = statistical_quantize(
+        bits,
+        row_wise=row_wise,
+        error_decay=error_decay,
+        requantize_mean=False,
+        quantization_range=quantization_range,
+        mask=mask,
+        axis_name=axis_name,
+    )
+    return base.declare_two_stage(tx, first, second_stage)
+
+
+def _requantized(mean: jax.Array, bits: int, spread: Any) -> jax.Array:
+    """``Q(mean)`` on a value every worker holds (its codebook summed in a fixed order)."""
+    codes, book = statistical_codes(mean, bits, spread, replicated=True)
+    return _decode(book, codes)
 
 
 # ----------------------------------------------------------------------------

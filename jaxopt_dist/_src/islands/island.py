@@ -79,11 +79,27 @@ def anchor_sha256(opt_state: Any) -> str:
 
 
 def _host(x: Any) -> np.ndarray:
-    """A leaf's value on the host: the array itself, or (an island of several processes) this
-    process's copy of a leaf replicated over the island's devices."""
+    """A leaf's whole value on the host.
+
+    On an island of several processes a leaf that is not replicated over its
+    devices (sharded over a model axis) is gathered from them: a collective
+    over the island's processes, which each of them must call in the same order.
+    """
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_data(0))
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))  # this process's copy
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(jax.device_get(x))
+
+
+def _gathers(tree: Any) -> bool:
+    """Whether :func:`_host` must gather some leaf of ``tree`` from the island's other processes."""
+    return any(
+        isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
+        for x in jax.tree.leaves(tree)
+    )
 
 
 def _host_count(opt_state: Any) -> int:
@@ -121,6 +137,7 @@ class Island:
         self.on_sync = on_sync
         self.records: list[SyncRecord] = []
         self._snapshot: Any = None
+        self._snapshot_host: Any = None  # its host copy, where taking one needs every process
         self._digest = ""
         self._healing: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="island-round")
@@ -143,10 +160,9 @@ class Island:
         out for being slow).
         """
         params, opt_state = self.step.init(params)
-        _check_replicated((params, opt_state))
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
-        self._snapshot = (params, opt_state)
+        self._take_snapshot(params, opt_state)
         self._digest = anchor_sha256(opt_state)
         if self._lead:
             self.transport.bind(self.island_id, self._save, self._load)
@@ -178,9 +194,9 @@ class Island:
         copy = jax.tree.map(lambda x: x.copy(), (params, opt_state))
         p, s, _ = self.step(*copy, batch)
         for f in range(len(opt_state.outer_states)):
-            own = self._contribution(f, p, s)
+            delta = self._finished(f, self._contribution(f, p, s), p, s)
             if self.exchange.land is not None:
-                jax.block_until_ready(self._land_now(f, merge.Merged(own, [], []), p, s))
+                jax.block_until_ready(self._land_now(f, delta, p, s))
         self._own_agg = None
 
     def step_count(self, opt_state: Any) -> int:
@@ -209,7 +225,7 @@ class Island:
 
     def _launch(self, f: int, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """After the step that sent fragment ``f``: its round, now (``sync_delay=0``) or beside the next steps."""
-        self._snapshot = (params, opt_state)
+        self._take_snapshot(params, opt_state)
         own = self._contribution(f, params, opt_state)
         if self.exchange.land is not None:
             return self._land(self._round_now(f, own, params, opt_state), params, opt_state)
@@ -308,13 +324,25 @@ class Island:
         return [np.zeros(x.shape, x.dtype) for x in _fragment_leaves(opt_state, f, self.exchange)]
 
     # --------------------------------------------------------------- healing
-    def _save(self) -> Any:
-        """The healing state a lagging peer takes: this island's state at the start of the round."""
+    def _take_snapshot(self, params: Any, opt_state: Any) -> None:
+        """Keeps the state a peer may heal from this round. On an island of several processes whose
+        state is sharded over its devices, its host copy is gathered now, by every process: the
+        transport asks for it in the first process's round thread, where no collective can run."""
+        self._snapshot = (params, opt_state)
+        self._snapshot_host = None
+        if _gathers(self._snapshot):
+            self._snapshot_host = self._host_state()
+
+    def _host_state(self) -> Any:
         params, opt_state = self._snapshot
         return {
             "params": [_host(x) for x in jax.tree.leaves(params)],
             "opt_state": [_host(x) for x in jax.tree.leaves(opt_state)],
         }
+
+    def _save(self) -> Any:
+        """The healing state a lagging peer takes: this island's state at the start of the round."""
+        return self._snapshot_host if self._snapshot_host is not None else self._host_state()
 
     def _load(self, payload: Any) -> None:
         self._healing = payload
@@ -352,6 +380,7 @@ class Island:
         if f < 0:  # a join round: nothing to land
             self._digest = anchor_sha256(opt_state)
             return params, opt_state
+        delta = self._finished(f, o.merged.delta, params, opt_state)
         aggs = list(opt_state.aggregate_states)
         if o.healed is None:  # the residual this island's own send left (a healed one owes nothing)
             aggs[f] = self._own_agg
@@ -359,18 +388,26 @@ class Island:
         self._steps_since_sync = 0
         if self.exchange.land is None:  # the applying step reads it
             pend, exch = list(s.pending), list(s.exchanged)
-            pend[f] = [jax.device_put(d, p.sharding) for d, p in zip(o.merged.delta, s.pending[f])]
+            pend[f] = [jax.device_put(d, p.sharding) for d, p in zip(delta, s.pending[f])]
             exch[f] = jax.device_put(np.ones((), bool), exch[f].sharding)
             self._unrecorded = o
             return params, s._replace(pending=tuple(pend), exchanged=tuple(exch))
-        params, s = self._land_now(f, o.merged, params, s)
+        params, s = self._land_now(f, delta, params, s)
         self._record(o, params, s)
         return params, s
 
-    def _land_now(self, f: int, merged: merge.Merged, params: Any, s: Any) -> tuple[Any, Any]:
+    def _finished(self, f: int, merged: list[Any], params: Any, opt_state: Any) -> list[Any]:
+        """The merged first stages of fragment ``f`` (host), placed like its anchor leaves, after the
+        aggregate's second stage if it has one (``opt_state``: its aggregate state before the round)."""
+        leaves = _fragment_leaves(opt_state, f, self.exchange)
+        delta = [jax.device_put(d, x.sharding) for d, x in zip(merged, leaves)]
+        if self.exchange.run_first is self.exchange.run:  # no second stage
+            return delta
+        out = self._program("finish", f, params)(delta, opt_state.aggregate_states[f])
+        return [jax.device_put(d, x.sharding) for d, x in zip(out, leaves)]
+
+    def _land_now(self, f: int, delta: list[Any], params: Any, s: Any) -> tuple[Any, Any]:
         """The diloco's ``land`` of fragment ``f`` with the merged aggregate (``sync_delay=0``)."""
-        leaves = _fragment_leaves(s, f, self.exchange)
-        delta = [jax.device_put(d, x.sharding) for d, x in zip(merged.delta, leaves)]
         new = self._program("land", f, params)(params, s, delta)
         return jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), new, (params, s))
 
@@ -399,7 +436,7 @@ class Island:
     def _program(self, kind: str, f: int, params: Any) -> Any:
         key = (kind, f)
         if key not in self._programs:
-            build = _exchange_program if kind == "exchange" else _land_program
+            build = {"exchange": _exchange_program, "land": _land_program, "finish": _finish_program}[kind]
             self._programs[key] = build(self.exchange, f, self._mask(params), self.step.axis_name)
         return self._programs[key]
 
@@ -464,9 +501,18 @@ def _exchange_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName
 
     def body(outbox_f, agg_f, anchor):
         anchor_f = [jax.tree.leaves(anchor)[i] for i in exchange.fragments(anchor)[f]]
-        return exchange.run(f, list(outbox_f), agg_f, anchor_f)
+        return exchange.run_first(f, list(outbox_f), agg_f, anchor_f)
 
     return _on_island(body, axis_name, (True, agg_mask, False), (False, agg_mask))
+
+
+def _finish_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
+    """``(merged_f, aggregate_state_f) -> aggregate_f``: the aggregate's second stage, if any."""
+
+    def body(merged_f, agg_f):
+        return exchange.finish(f, list(merged_f), agg_f)
+
+    return _on_island(body, axis_name, (False, mask.aggregate_states[f]), False)
 
 
 def _land_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
@@ -493,18 +539,6 @@ def _host_like(template: Any, leaves: list[np.ndarray]) -> Any:
             f"{[np.shape(a) for a in leaves][:4]}... against {[t.shape for t in targets][:4]}..."
         )
     return jax.tree.unflatten(treedef, [np.asarray(a, t.dtype) for a, t in zip(leaves, targets)])
-
-
-def _check_replicated(tree: Any) -> None:
-    """An island of several processes hands whole leaves to peers: each process must hold them."""
-    if jax.process_count() == 1:
-        return
-    bad = [x.shape for x in jax.tree.leaves(tree) if not x.is_fully_replicated]
-    if bad:
-        raise ValueError(
-            "an island of several processes needs its parameters and optimizer state replicated over "
-            f"its devices (dense data parallelism inside, no model-axis sharding); {len(bad)} leaves are not."
-        )
 
 
 def _broadcast_outcome(
