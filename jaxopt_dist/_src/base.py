@@ -352,8 +352,13 @@ def declare_two_stage(tx: Any, first: optax.GradientTransformation, second: Any)
 
 def two_stage_of(tx: Any) -> TwoStage | None:
     """The :class:`TwoStage` declared for ``tx``, or None (its result is the mean itself)."""
+    return registered(_TWO_STAGE, tx)
+
+
+def registered(table: weakref.WeakKeyDictionary, tx: Any) -> Any:
+    """What ``table`` records for the transformation ``tx`` (keyed by its ``update``), or None."""
     update = getattr(tx, "update", None)
     try:
-        return _TWO_STAGE.get(update) if update is not None else None
+        return table.get(update) if update is not None else None
     except TypeError:  # not weak-referenceable
         return None

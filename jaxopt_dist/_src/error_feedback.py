@@ -137,11 +137,7 @@ _WRAPPED: weakref.WeakKeyDictionary[Callable[..., Any], Compressor] = weakref.We
 
 def compressor_of(tx: Any) -> Compressor | None:
     """The :class:`Compressor` inside a transform built by :func:`error_feedback`, or None."""
-    update = getattr(tx, "update", None)
-    try:
-        return _WRAPPED.get(update) if update is not None else None
-    except TypeError:  # not weak-referenceable
-        return None
+    return base.registered(_WRAPPED, tx)
 
 
 @base.reshard_rules(residual=base.REGROUP)
