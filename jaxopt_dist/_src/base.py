@@ -7,7 +7,7 @@ import numbers
 import warnings
 import weakref
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -326,7 +326,7 @@ def renamed_keyword(value: Any, old_value: Any, *, new: str, old: str) -> Any:
 # Aggregates whose mean has a second stage (a re-quantization of the mean).
 
 
-class TwoStage:
+class TwoStage(NamedTuple):
     """An aggregate whose result is a deterministic second stage applied to a mean.
 
     For merges that compute the mean elsewhere (islands: over a transport):
@@ -337,8 +337,8 @@ class TwoStage:
     same on every worker), with no communication.
     """
 
-    def __init__(self, first: optax.GradientTransformation, second: Any):
-        self.first, self.second = first, second
+    first: optax.GradientTransformation
+    second: Any
 
 
 _TWO_STAGE: weakref.WeakKeyDictionary[Any, TwoStage] = weakref.WeakKeyDictionary()
