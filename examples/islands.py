@@ -24,7 +24,8 @@ out.
 ``--log`` gets one JSON line per synchronisation (``island``, ``round``,
 ``step``, ``fragment``, ``participants``, ``weights``, ``healed``,
 ``redone``, ``anchor_sha256``, ``val_loss``, ``time``) and a final
-``{"island": ..., "done": true, "val_loss": ..., "steps": ...}``. An island
+``{"island": ..., "done": true, "val_loss": ..., "steps": ..., "sharded_leaves": ...}``
+(the anchor's leaves split over the island's devices). An island
 that cannot go on (no quorum within ``--quorum-timeout``) writes
 ``{"island": ..., "error": ...}`` and exits with status 3.
 """
@@ -370,7 +371,8 @@ def run_island(args: argparse.Namespace) -> int:
     except islands.IslandsError as e:
         log(error=str(e))
         return EXIT_NO_QUORUM
-    log(done=True, val_loss=setup.val_loss(opt_state.anchor), steps=t, **timings)
+    sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(opt_state.anchor))
+    log(done=True, val_loss=setup.val_loss(opt_state.anchor), steps=t, sharded_leaves=sharded, **timings)
     return 0
 
 
