@@ -209,6 +209,16 @@ def _check_schedule(
         )
 
 
+def _finishing(second: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """``OuterExchange.finish`` for an aggregate's second stage ``second(leaves, state)``."""
+
+    def finish(f, mean, agg_state_f):
+        del f
+        return [m.astype(x.dtype) for m, x in zip(second(list(mean), agg_state_f), mean)]
+
+    return finish
+
+
 @dataclasses.dataclass(frozen=True)
 class OuterExchange:
     """The exchanges of a ``diloco(..., overlap=True)``, for :func:`jaxopt_dist.overlapped_step`.
@@ -240,8 +250,7 @@ class OuterExchange:
         (islands, over a transport) and then applies ``finish``.
       finish: ``(f, mean_f, aggregate_state_f) -> aggregate_f``: the
         ``aggregate``'s second stage on such a mean (``aggregate_state_f``
-        before the step), without communication; the identity when it has
-        none.
+        before the step), without communication; None when it has none.
     """
 
     sync_every: int
@@ -509,12 +518,7 @@ def diloco(
     exchange = exchange_with(aggregate)
     stages = base.two_stage_of(aggregate)
 
-    def finish(f, mean, agg_state_f):
-        """An aggregate's second stage on a mean of first stages taken elsewhere (identity if none)."""
-        del f
-        if stages is None:
-            return list(mean)
-        return [m.astype(x.dtype) for m, x in zip(stages.second(list(mean), agg_state_f), mean)]
+    finish = None if stages is None else _finishing(stages.second)
 
     def land(f, delta, c, groups, alpha, outer_states):
         """``c`` after fragment ``f``'s outer step with the aggregate ``delta`` (the blend with ``alpha``)."""

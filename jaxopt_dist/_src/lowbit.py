@@ -115,11 +115,7 @@ def _low_bit_compressor(
     grid: np.ndarray, bits: int, block_size: int, axis_name: base.AxisName
 ) -> ef.Compressor:
     def compress(leaves, treedef, n):
-        sizes = base.leaf_sizes(leaves)
-        total = sum(sizes)
-        chunk, blocks = _layout(total, n, block_size)
-        flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-        x = jnp.pad(flat, (0, n * chunk - total)).reshape(n, chunk)
+        x, total, chunk, blocks = _chunks(leaves, n, block_size)
         mine = _encode(x, grid, bits, block_size, blocks)
         received = comm.all_to_all(mine, axis_name, caller="low_bit")
         decoded = _decode(received, grid, bits, chunk, block_size, blocks)
@@ -227,9 +223,15 @@ def _requantize_whole(
     """The second stage on a mean every worker holds, in one worker's layout (one chunk)."""
     if not leaves:
         return leaves
-    total = sum(base.leaf_sizes(leaves))
-    chunk, blocks = _layout(total, 1, block_size)
-    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-    row = jnp.pad(flat, (0, chunk - total))[None]
+    row, total, chunk, blocks = _chunks(leaves, 1, block_size)
     out = _decode(_encode(row, grid, bits, block_size, blocks), grid, bits, chunk, block_size, blocks)
     return base.split_flat(out.reshape(-1)[:total], leaves, jax.tree.structure(leaves))
+
+
+def _chunks(leaves: list[jax.Array], n: int, block_size: int) -> tuple[jax.Array, int, int, int]:
+    """The leaves as one float32 vector cut into ``n`` zero-padded chunks: ``(x (n, chunk), total,
+    chunk, blocks per chunk)``."""
+    total = sum(base.leaf_sizes(leaves))
+    chunk, blocks = _layout(total, n, block_size)
+    flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    return jnp.pad(flat, (0, n * chunk - total)).reshape(n, chunk), total, chunk, blocks

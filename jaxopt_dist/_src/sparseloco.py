@@ -376,19 +376,18 @@ def statistical_quantize(
         gathered = iter(comm.all_gather_packed(payload, axis_name, caller=name))
         dense = comm.reduce([g for g, keep in zip(leaves, flags) if not keep], axis_name, caller=name)
         dense = iter(dense)
-        out = []
+        means = []
         for g, e, keep in zip(leaves, errors, flags):
             if not keep:
-                out.append(next(dense))
+                means.append(next(dense))
                 continue
             rows, m = _rows(g.shape, row_wise)
             codes = _unpack_bits(next(gathered), rows * m, bits).reshape(n, rows, m)
             mean = jnp.sum(_decode(next(gathered), codes), axis=0) / jnp.asarray(n, e.dtype)
-            out.append(
-                (_requantized(mean, bits, spread) if requantize_mean else mean)
-                .reshape(g.shape)
-                .astype(g.dtype)
-            )
+            means.append(mean.reshape(g.shape))
+        if requantize_mean:
+            means = _requantized_leaves(means, flags, bits, spread, row_wise)
+        out = [x.astype(g.dtype) for x, g in zip(means, leaves)]
         return jax.tree.unflatten(treedef, out), StatisticalQuantizeState(
             count=jnp.asarray(optax.safe_increment(state.count)),
             error=jax.tree.unflatten(treedef, new_errors),
@@ -398,12 +397,8 @@ def statistical_quantize(
         """The re-quantization of a mean computed elsewhere (``state``: before the step)."""
         spread = base.resolve(quantization_range, state.count)
         flags = [f and math.prod(x.shape) > 0 for f, x in zip(_mask_flags(mask, leaves, name), leaves)]
-        return [
-            _requantized(x.reshape(_rows(x.shape, row_wise)), bits, spread).reshape(x.shape).astype(x.dtype)
-            if keep
-            else x
-            for x, keep in zip(leaves, flags)
-        ]
+        out = _requantized_leaves(leaves, flags, bits, spread, row_wise)
+        return [x.astype(g.dtype) for x, g in zip(out, leaves)]
 
     tx = comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), name)
     if not requantize_mean:
@@ -420,10 +415,20 @@ def statistical_quantize(
     return base.declare_two_stage(tx, first, second_stage)
 
 
-def _requantized(mean: jax.Array, bits: int, spread: Any) -> jax.Array:
-    """``Q(mean)`` on a value every worker holds (its codebook summed in a fixed order)."""
-    codes, book = statistical_codes(mean, bits, spread, replicated=True)
-    return _decode(book, codes)
+def _requantized_leaves(
+    means: list[jax.Array], flags: list[bool], bits: int, spread: Any, row_wise: bool
+) -> list[jax.Array]:
+    """``Q(mean)`` of each flagged leaf, a value every worker holds (its codebook summed in a fixed
+    order), in the leaf's shape; the other leaves as they are."""
+    out = []
+    for x, keep in zip(means, flags):
+        if keep:
+            codes, book = statistical_codes(
+                x.reshape(_rows(x.shape, row_wise)), bits, spread, replicated=True
+            )
+            x = _decode(book, codes).reshape(x.shape)
+        out.append(x)
+    return out
 
 
 # ----------------------------------------------------------------------------

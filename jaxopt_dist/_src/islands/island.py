@@ -401,7 +401,7 @@ class Island:
         aggregate's second stage if it has one (``opt_state``: its aggregate state before the round)."""
         leaves = _fragment_leaves(opt_state, f, self.exchange)
         delta = [jax.device_put(d, x.sharding) for d, x in zip(merged, leaves)]
-        if self.exchange.run_first is self.exchange.run:  # no second stage
+        if self.exchange.finish is None:  # no second stage
             return delta
         out = self._program("finish", f, params)(delta, opt_state.aggregate_states[f])
         return [jax.device_put(d, x.sharding) for d, x in zip(out, leaves)]
