@@ -23,7 +23,9 @@ out.
 
 ``--log`` gets one JSON line per synchronisation (``island``, ``round``,
 ``step``, ``fragment``, ``participants``, ``weights``, ``healed``,
-``redone``, ``anchor_sha256``, ``val_loss``, ``time``) and a final
+``redone``, ``anchor_sha256``, ``agreed_sha256``, ``val_loss``, ``time``;
+the anchor is the island's own row under ``--eager``, where the islands
+agree on the merged mean instead) and a final
 ``{"island": ..., "done": true, "val_loss": ..., "steps": ..., "sharded_leaves": ...}``
 (the anchor's leaves split over the island's devices). An island
 that cannot go on (no quorum within ``--quorum-timeout``) writes
@@ -65,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=10, help="H: inner steps per outer step")
     p.add_argument("--num-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
     p.add_argument("--sync-delay", type=int, default=0, help="steps a fragment's exchange may overlap")
+    p.add_argument(
+        "--eager",
+        action="store_true",
+        help="eager outer steps (each island's own fresh pseudo-gradient with the last round's mean; "
+        "every exchange overlaps a period)",
+    )
     p.add_argument("--rule", choices=("mean", "tokens"), default="mean", help="how rounds weigh islands")
     p.add_argument(
         "--seed", type=int, default=0, help="the model's initialization (the same on every island)"
@@ -127,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.fsdp and args.num_processes < 2:
         p.error("--fsdp shards over the devices of an island of several processes (--num-processes >= 2)")
+    if args.eager and args.sync_delay:
+        p.error("--eager takes --sync-delay 0: its exchange already overlaps a whole period")
     if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
         p.error("give --serve-lighthouse HOST:PORT, or --island-id ID and --lighthouse HOST:PORT")
     for name in ("steps", "sync_every", "num_fragments", "batch_size", "hidden", "min_islands"):
@@ -197,6 +207,7 @@ def build(args: argparse.Namespace) -> Setup:
         sync_every=args.sync_every,
         num_fragments=args.num_fragments,
         sync_delay=args.sync_delay,
+        eager=args.eager,
     )
     # addressable_data(0): this process's copy of the loss (replicated over an island's devices)
     return Setup(loss_fn, params, tx, batch_for, lambda p: float(np.asarray(val(p).addressable_data(0))))
@@ -293,7 +304,7 @@ def run_island(args: argparse.Namespace) -> int:
 
     def on_sync(rec: Any, params: Any, opt_state: Any) -> None:
         started = time.perf_counter()
-        anchor = jax.tree.map(lambda a: a, opt_state.anchor)
+        anchor = island.model(opt_state)
         if args.anchors_dir:
             os.makedirs(args.anchors_dir, exist_ok=True)
             path = os.path.join(args.anchors_dir, f"island{args.island_id}_round{rec.round}.npz")
@@ -308,6 +319,7 @@ def run_island(args: argparse.Namespace) -> int:
             redone=rec.redone,
             seconds=round(rec.seconds, 4),
             anchor_sha256=rec.anchor_sha256,
+            agreed_sha256=rec.agreed_sha256,
             val_loss=setup.val_loss(anchor),
         )
         logging_seconds[0] += time.perf_counter() - started
@@ -371,8 +383,9 @@ def run_island(args: argparse.Namespace) -> int:
     except islands.IslandsError as e:
         log(error=str(e))
         return EXIT_NO_QUORUM
-    sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(opt_state.anchor))
-    log(done=True, val_loss=setup.val_loss(opt_state.anchor), steps=t, sharded_leaves=sharded, **timings)
+    model = island.model(opt_state)
+    sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(model))
+    log(done=True, val_loss=setup.val_loss(model), steps=t, sharded_leaves=sharded, **timings)
     return 0
 
 

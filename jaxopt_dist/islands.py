@@ -17,6 +17,7 @@ from jaxopt_dist._src.islands.island import Island, SyncRecord, anchor_sha256
 from jaxopt_dist._src.islands.merge import (
     Merged,
     WeightedMeanState,
+    island_share,
     island_weight,
     pack,
     unpack,
@@ -137,6 +138,7 @@ __all__ = (
     "WeightedMeanState",
     "anchor_sha256",
     "island",
+    "island_share",
     "island_weight",
     "pack",
     "start_lighthouse",

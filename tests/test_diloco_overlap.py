@@ -18,16 +18,19 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxopt_dist as jd
+from jaxopt_dist import islands
 from tests import helpers
 from tests.test_diloco import INNER_LR, INNER_MOM, OUTER_LR, OUTER_MOM, SHAPES, _data, _inner
 
 
-def np_eager(grads, params, *, H, F=1, groups=None):
+def np_eager(grads, params, *, H, F=1, groups=None, weights=None):
     """Per-worker params and anchors after T steps of eager DiLoCo: a loop over steps, workers, fragments.
 
     Inner SGD with momentum, outer Nesterov SGD (0.7, 0.9) per worker and fragment. At fragment
     ``f``'s synchronisation worker ``i`` steps its own outer optimizer with
     ``mean_j(own_j(previous sync)) + (own_i - own_i(previous sync)) / n``; zero before the first.
+    With ``weights`` (``[rounds, n]``, each fragment counting its own rounds) the mean is weighted
+    and ``1 / n`` is worker ``i``'s weight over the sum in the previous round (``1 / n`` before any).
     """
     names = list(SHAPES)
     T, n = grads[names[0]].shape[:2]
@@ -38,6 +41,8 @@ def np_eager(grads, params, *, H, F=1, groups=None):
     buf = [{k: np.zeros_like(params[k]) for k in names} for _ in range(n)]
     own_prev = [{k: np.zeros_like(params[k]) for k in names} for _ in range(n)]
     mean_prev = {k: np.zeros_like(params[k]) for k in names}
+    share = [[None] * n for _ in groups]  # None: 1 / n, divided as the default mean does
+    rounds = [0] * len(groups)
     for t in range(T):
         for i in range(n):
             for k in names:
@@ -50,18 +55,24 @@ def np_eager(grads, params, *, H, F=1, groups=None):
             own = [{k: anchor[i][k] - x[i][k] for k in keys} for i in range(n)]
             for i in range(n):
                 for k in keys:
-                    d = mean_prev[k] + (own[i][k] - own_prev[i][k]) / np.float32(n)
+                    fresh = own[i][k] - own_prev[i][k]
+                    s = share[f][i]
+                    d = mean_prev[k] + (fresh / np.float32(n) if s is None else s * fresh)
                     buf[i][k] = np.float32(OUTER_MOM) * buf[i][k] + d
                     anchor[i][k] = anchor[i][k] - np.float32(OUTER_LR) * (
                         d + np.float32(OUTER_MOM) * buf[i][k]
                     )
                     x[i][k] = anchor[i][k]
                     own_prev[i][k] = own[i][k]
+            w = np.ones(n, np.float32) if weights is None else np.asarray(weights[rounds[f]], np.float32)
+            rounds[f] += 1
             for k in keys:
                 acc = np.zeros_like(mean_prev[k])
                 for i in range(n):
-                    acc = acc + own[i][k]
-                mean_prev[k] = acc / np.float32(n)
+                    acc = acc + w[i] * own[i][k]
+                mean_prev[k] = acc / np.sum(w)
+            if weights is not None:
+                share[f] = [w[i] / np.sum(w) for i in range(n)]
     return x, anchor
 
 
@@ -84,6 +95,29 @@ def test_eager_matches_reference(backend, n, F, overlap):
         helpers.assert_trees_close(got_anchor, want_anchor[i], rtol=1e-5, atol=1e-5)
     # The replicas drift apart (each applies its own fresh pseudo-gradient), as the method says.
     assert not np.array_equal(np.asarray(state.anchor["a"])[0], np.asarray(state.anchor["a"])[1])
+
+
+@pytest.mark.parametrize("backend,n,F", [("vmap", 3, 1), ("shard_map", 2, 2)])
+def test_eager_with_weighted_workers_matches_reference(backend, n, F):
+    """With a weighted mean (islands' in-process reference) a worker's fresh pseudo-gradient enters
+    with its weight over the sum in the previous round, 0 when it was absent."""
+    H = 2 * F
+    T = 4 * H + 1
+    grads, params = _data(n, T, seed=40 + n)
+    table = np.ones((4, n), np.float32)
+    table[1, n - 1] = 0.0  # absent in each fragment's second round
+    table[2, 0] = 3.0  # a token-weighted round
+    tx = jd.diloco(
+        _inner(), sync_every=H, num_fragments=F, eager=True, aggregate=islands.weighted_mean(table)
+    )
+    _, p, state = helpers.run_steps(tx, grads, params, backend=backend, per_worker_params=True)
+    want_x, want_anchor = np_eager(grads, params, H=H, F=F, weights=table)
+    for i in range(n):
+        got_anchor = {k: np.asarray(v)[i] for k, v in state.anchor.items()}
+        helpers.assert_trees_close(got_anchor, want_anchor[i], rtol=1e-5, atol=1e-5)
+    # Unweighted (1 / n everywhere) is a different run: the check above can tell them apart.
+    _, plain_anchor = np_eager(grads, params, H=H, F=F)
+    assert not np.allclose(plain_anchor[0]["a"], want_anchor[0]["a"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -127,17 +127,17 @@ def _reference(make_tx, steps: int, n: int = N) -> list:
     return anchors
 
 
-def _island_thread(i, make_tx, transport, steps, out, **options):
+def _island_thread(i, make_tx, transport, steps, out, on_sync_too=None, **options):
     mesh = jax.make_mesh((1,), ("data",), devices=[jax.devices()[i]])
     step = jd.data_parallel_step(_loss, make_tx(), mesh=mesh, per_worker_params=True)
     seen = []
-    isl = islands.island(
-        step,
-        transport,
-        island_id=i,
-        on_sync=lambda rec, p, s: seen.append((rec, jax.device_get(s.anchor))),
-        **options,
-    )
+
+    def on_sync(rec, p, s):
+        seen.append((rec, jax.device_get(s.anchor)))
+        if on_sync_too is not None:
+            on_sync_too(rec, p, s)
+
+    isl = islands.island(step, transport, island_id=i, on_sync=on_sync, **options)
     out[i] = seen
     try:
         p, s = isl.init(_params())
@@ -159,6 +159,10 @@ def _run_threads(targets) -> None:
         assert not th.is_alive(), "an island thread hung"
 
 
+def _row(tree, i):
+    return {k: np.asarray(v)[i] for k, v in tree.items()}
+
+
 def _assert_close_to(anchor, ref, tol=1e-6):
     for k in ref:
         scale = float(np.max(np.abs(ref[k])))
@@ -175,6 +179,9 @@ VARIANTS = {
     # low_bit's blocks are cut over each island's whole vector, and per worker chunk in process:
     # the same blocks when block_size divides the chunk (56 entries on 3 workers: chunks of 24).
     "low_bit": dict(aggregate="low_bit"),
+    # Per-island anchors: each takes its own fresh pseudo-gradient with its share of the last round.
+    "eager": dict(eager=True),
+    "eager_streaming": dict(eager=True, num_fragments=2),
 }
 
 
@@ -194,7 +201,8 @@ def _maker(opts):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_islands_match_in_process_diloco(variant):
     """Fault-free: every round's anchor is the in-process run's (to float rounding), the same on every island."""
-    make_tx, steps = _maker(VARIANTS[variant]), 3 * H + 1
+    eager = VARIANTS[variant].get("eager", False)
+    make_tx, steps = _maker(VARIANTS[variant]), (4 if eager else 3) * H + 1  # eager lands a period late
     ref = _reference(make_tx, steps)
     hub, out = islands.LocalHub(min_islands=N, join_timeout=10.0), {}
     _run_threads([(_island_thread, (i, make_tx, hub.transport(), steps, out), {}) for i in range(N)])
@@ -202,9 +210,14 @@ def test_islands_match_in_process_diloco(variant):
         assert len(out[i]) == 3 * len(make_tx().external.launch_phase), i
         for rec, anchor in out[i]:
             assert rec.participants == (0, 1, 2) and rec.weights == (1.0, 1.0, 1.0) and not rec.healed
-            _assert_close_to(anchor, ref[rec.step - 1])
-    hashes = {tuple(r.anchor_sha256 for r, _ in out[i]) for i in range(N)}
-    assert len(hashes) == 1  # bit-identical anchors on every island, every round
+            want = ref[rec.step - 1]
+            if eager:  # island i's anchor is in-process worker i's
+                anchor, want = _row(anchor, 0), _row(want, i)
+            _assert_close_to(anchor, want)
+    # Bit-identical on every island, every round: the anchors (under eager: the merged aggregates).
+    assert len({tuple(r.agreed_sha256 for r, _ in out[i]) for i in range(N)}) == 1
+    anchors = {tuple(r.anchor_sha256 for r, _ in out[i]) for i in range(N)}
+    assert len(anchors) == (N if eager else 1)
 
 
 def test_tokens_rule_with_equal_steps_is_the_mean():
@@ -284,6 +297,69 @@ def test_a_death_in_the_exchange_is_redone_and_a_restart_heals_with_weight_zero(
     )
     for r, anchor in out[0]:
         _assert_close_to(anchor, ref[r.step - 1])
+
+
+@pytest.mark.parametrize("F", [1, 2])
+def test_eager_islands_keep_a_round_through_a_death_and_heal_with_share_zero(F):
+    """Eager: island 2 dies inside round 3's all-reduce, the survivors commit it, island 2 restarts and
+    heals. A healed island merged none of the aggregates it holds, so its share of each is 0 (it
+    applies the merged mean alone), the survivors' are their weights over the sum, and the merged
+    aggregates agree bit for bit on every participant (anchors are per island under eager).
+    With one fragment, the survivors' anchors are the in-process eager run's with the same weights
+    (weighted_mean) through the healing round (later ones depend on the healed island's new path)."""
+
+    def make_tx(weights=None):
+        outer = optax.sgd(0.7, momentum=0.9)
+        agg = islands.weighted_mean(weights)
+        return jd.diloco(optax.sgd(0.1), sync_every=2 * F, num_fragments=F, eager=True, outer=outer, aggregate=agg)
+
+    steps, out, first, rejoin, shares = 12 * F * 2, {}, {}, {}, {}
+    # All three join (before any exchange the in-process share is 1 / 3; an island's is 1 / the
+    # islands that joined with it); two are enough once island 0 has seen round 1.
+    hub = islands.LocalHub(min_islands=N, join_timeout=10.0)
+
+    def thread(i, transport, sink):
+        def seen(rec, p, s):
+            shares.setdefault(i, []).append((rec.round, [float(np.asarray(x)) for x in s.shares]))
+
+        _island_thread(i, make_tx, transport, steps, sink, on_sync_too=seen)
+
+    def survivors_then_restart():
+        import time
+
+        while not any(r.round >= 1 for r, _ in out.get(0, [])):
+            time.sleep(0.01)
+        hub.min_islands = 2
+        while not any(r.round >= 5 for r, _ in out.get(0, [])):
+            time.sleep(0.01)
+        shares.pop(2, None)
+        thread(2, hub.transport(), rejoin)
+
+    _run_threads(
+        [(thread, (i, hub.transport(), out), {}) for i in (0, 1)]
+        + [(thread, (2, _DyingTransport(hub, die_at=3), first), {}), (survivors_then_restart, (), {})]
+    )
+    by_round = {r.round: r for r, _ in out[0]}
+    assert by_round[3].participants == (0, 1) and by_round[3].redone >= 1  # the survivors kept round 3
+    healed = [r for r, _ in rejoin[2] if r.healed]
+    assert len(healed) == 1 and healed[0].weights[healed[0].participants.index(2)] == 0.0
+    h = healed[0].round
+    assert dict(shares[2])[h][healed[0].fragment] == 0.0  # it merged none of what it holds
+    later = [r for r, _ in rejoin[2] if r.round > h]
+    assert later and later[0].weights == (1.0, 1.0, 1.0)  # then it takes part
+    for r, _ in out[1] + rejoin[2]:  # every participant holds the same merged aggregates
+        assert r.agreed_sha256 == by_round[r.round].agreed_sha256, r.round
+    for rnd, sh in shares[0]:
+        rec = by_round[rnd]
+        assert sh[rec.fragment] == pytest.approx(1.0 / sum(1 for w in rec.weights if w > 0)), rnd
+    if F == 1:  # the in-process reference: weighted_mean with the rounds' weights (round k is sync k - 1)
+        table = np.ones((steps // 2, N), np.float32)
+        for r in by_round.values():
+            table[r.round - 1] = [r.weights[r.participants.index(j)] if j in r.participants else 0.0 for j in range(N)]
+        ref = _reference(lambda: make_tx(table), steps)
+        for r, anchor in out[0]:
+            if r.round <= h:
+                _assert_close_to(_row(anchor, 0), _row(ref[r.step - 1], 0))
 
 
 # ------------------------------------------------------------------------ errors

@@ -76,10 +76,10 @@ def _event_time(cluster, name, island):
     return next(e["time"] for e in cluster.events if e["event"] == name and e.get("island") == island)
 
 
-def _reference_anchors(n, steps):
+def _reference_anchors(n, steps, extra=()):
     """The in-process diloco of examples/islands.py on ``n`` workers: the anchor after every step."""
     args = example.parse_args(
-        ["--island-id", "0", "--lighthouse", "-", "--steps", str(steps), "--sync-every", str(H)]
+        ["--island-id", "0", "--lighthouse", "-", "--steps", str(steps), "--sync-every", str(H), *extra]
     )
     setup = example.build(args)
     mesh = jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
@@ -94,25 +94,34 @@ def _reference_anchors(n, steps):
     return out
 
 
-def test_fault_free_islands_match_in_process_diloco(tmp_path):
-    """Three islands over torchft: every round's anchor is the in-process diloco's on three workers."""
-    steps = 4 * H
-    cluster = _cluster(tmp_path, min_islands=3, extra=["--steps", str(steps), "--anchors-dir", str(tmp_path)])
+@pytest.mark.parametrize("eager", [False, True], ids=["diloco", "eager"])
+def test_fault_free_islands_match_in_process_diloco(tmp_path, eager):
+    """Three islands over torchft: every round's anchor is the in-process diloco's on three workers
+    (under eager, island i's is worker i's; the islands agree on the merged mean)."""
+    steps, extra = 4 * H, ["--eager"] if eager else []
+    cluster = _cluster(
+        tmp_path, min_islands=3, extra=["--steps", str(steps), "--anchors-dir", str(tmp_path), *extra]
+    )
     cluster.start_lighthouse()
     for i in range(3):
         cluster.start(i)
     hung = chaos.run_faults(cluster, [], timeout=240)
     rows = cluster.rows()
     assert not hung and chaos.summarize(rows, hung)["errors"] == []
-    ref = _reference_anchors(3, steps)
+    ref = _reference_anchors(3, steps, extra)
     for r in _rounds(rows):
         assert r["participants"] == ["0", "1", "2"] and r["weights"] == [1.0, 1.0, 1.0], r
-    assert len({r["anchor_sha256"] for r in _rounds(rows) if r["round"] == 4}) == 1
+    last = steps // H - eager  # eager lands each round a period late
+    assert len({r["agreed_sha256"] for r in _rounds(rows) if r["round"] == last}) == 1
+    assert len({r["anchor_sha256"] for r in _rounds(rows) if r["round"] == last}) == (3 if eager else 1)
     files = sorted(glob.glob(str(tmp_path / "island*_round*.npz")))
-    assert len(files) == 3 * (steps // H)
+    assert len(files) == 3 * last
     for path in files:
         saved = np.load(path)
         want = ref[int(saved["step"]) - 1]
+        if eager:  # worker i's row
+            i = int(os.path.basename(path)[len("island") :].split("_")[0])
+            want = {k: v[i] for k, v in want.items()}
         for k, v in want.items():
             assert np.max(np.abs(saved[k] - v)) <= 1e-6 * np.max(np.abs(v)), (path, k)
 

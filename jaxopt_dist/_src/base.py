@@ -323,7 +323,8 @@ def renamed_keyword(value: Any, old_value: Any, *, new: str, old: str) -> Any:
 
 
 # ----------------------------------------------------------------------------
-# Aggregates whose mean has a second stage (a re-quantization of the mean).
+# Aggregates whose mean has a second stage (a re-quantization of the mean), or
+# that weigh their workers unequally.
 
 
 class TwoStage(NamedTuple):
@@ -353,6 +354,26 @@ def declare_two_stage(tx: Any, first: optax.GradientTransformation, second: Any)
 def two_stage_of(tx: Any) -> TwoStage | None:
     """The :class:`TwoStage` declared for ``tx``, or None (its result is the mean itself)."""
     return registered(_TWO_STAGE, tx)
+
+
+_SHARE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def declare_share(tx: Any, share: Any) -> Any:
+    """Records ``share(state) -> float32[]`` for ``tx`` (an aggregate that weighs its workers); returns ``tx``.
+
+    ``share`` gives, inside the mapping of the workers' axis and from the
+    aggregate's state after an update, this worker's weight in the mean that
+    update returned over the sum of the weights (``1 / workers`` before any).
+    An aggregate that declares none is the plain mean, where it is ``1 / workers``.
+    """
+    _SHARE[tx.update] = share
+    return tx
+
+
+def share_of(tx: Any) -> Any:
+    """The ``share`` declared for ``tx`` (see :func:`declare_share`), or None."""
+    return registered(_SHARE, tx)
 
 
 def registered(table: weakref.WeakKeyDictionary, tx: Any) -> Any:

@@ -50,6 +50,11 @@ class DiLoCoState(NamedTuple):
         exchange, or the applying step itself, has run); replicated.
       outbox: one list per fragment with ``overlap`` or ``eager`` (else
         ``()``): the worker's own pseudo-gradient as last sent; per-worker.
+      shares: one float32[] per fragment in the ``external`` state of an
+        ``eager`` diloco (else ``()``): the island's weight over the sum of
+        weights in the round that merged ``pending``, written by the island
+        (:class:`jaxopt_dist.islands.Island`); the eager step scales the
+        island's own fresh pseudo-gradient by it.
 
     ``GLOBAL_MODEL`` (a class attribute, not a field) names the field that
     holds the global model, replicated: what the Flax front ends evaluate.
@@ -65,6 +70,7 @@ class DiLoCoState(NamedTuple):
     pending: tuple[Any, ...]  # one list of leaves per fragment, replicated; () entries if sync_delay=0
     exchanged: tuple[Any, ...] = ()  # bool[] per fragment with overlap, replicated
     outbox: tuple[Any, ...] = ()  # one list of leaves per fragment with overlap or eager, per-worker
+    shares: tuple[Any, ...] = ()  # float32[] per fragment in an eager external state
 
 
 def diloco_fragments(params: Any, num_fragments: int, *, assignment: str = "strided") -> list[list[int]]:
@@ -251,6 +257,8 @@ class OuterExchange:
       finish: ``(f, mean_f, aggregate_state_f) -> aggregate_f``: the
         ``aggregate``'s second stage on such a mean (``aggregate_state_f``
         before the step), without communication; None when it has none.
+      eager: whether the diloco is ``eager`` (per-worker anchors; in the
+        ``external`` state the runner writes each fragment's ``shares``).
     """
 
     sync_every: int
@@ -263,6 +271,7 @@ class OuterExchange:
     land: Callable[..., tuple[Any, Any]] | None = None
     run_first: Callable[..., tuple[list[Any], Any]] | None = None
     finish: Callable[..., list[Any]] | None = None
+    eager: bool = False
 
     def launches_after(self, step: int) -> list[int]:
         """The fragments whose exchange can start once inner step ``step`` (0-based) is done."""
@@ -305,7 +314,7 @@ class DiLoCoTransformation(optax.GradientTransformationExtraArgs):
     step only sends and the runner lands the fragment with ``land``). It is
     what carries the outer exchange between separately launched jobs
     (:class:`jaxopt_dist.islands.Island`); its state is that of
-    ``overlap=True``.
+    ``overlap=True``, with ``shares`` under ``eager``.
     """
 
     exchange: OuterExchange | None = None
@@ -380,7 +389,12 @@ def diloco(
 
     with :math:`\Delta(t-1)` the aggregate of the previous
     synchronisation's :math:`\Delta_i(t-1)` (zero before the first) and
-    ``M`` the number of workers. The replicas then differ slightly: anchors
+    ``M`` the number of workers. :math:`1/M` is worker ``i``'s share of that
+    aggregate: an aggregate that weighs its workers
+    (:func:`jaxopt_dist.islands.weighted_mean`) gives it as
+    :math:`w_i / \sum_j w_j` of the previous round, and across islands it is
+    the island's weight in the round that merged :math:`\Delta(t-1)` (0
+    for an island that healed in it). The replicas then differ slightly: anchors
     and outer states are per-worker. The paper's algorithm box could not be
     read; this is the rule its text and tables state (its "eager" row),
     not the naive delayed variant that applies :math:`\Delta(t-1)` alone.
@@ -486,7 +500,7 @@ def diloco(
     def fragments(params):
         return diloco_fragments(params, num_fragments, assignment=fragment_assignment)
 
-    def make_init(with_outbox: bool):
+    def make_init(with_outbox: bool, with_shares: bool = False):
         def init_fn(params):
             leaves = jax.tree.leaves(params)
             pieces = [_take(leaves, g) for g in fragments(params)]
@@ -503,6 +517,7 @@ def diloco(
                 pending=zeros(keeps_pending),
                 exchanged=tuple(jnp.ones([], bool) for _ in pieces) if with_outbox else (),
                 outbox=zeros(True) if with_outbox or eager else (),
+                shares=tuple(jnp.zeros([], jnp.float32) for _ in pieces) if with_shares else (),
             )
 
         return init_fn
@@ -519,6 +534,7 @@ def diloco(
     stages = base.two_stage_of(aggregate)
 
     finish = None if stages is None else _finishing(stages.second)
+    share_fn = base.share_of(aggregate)
 
     def land(f, delta, c, groups, alpha, outer_states):
         """``c`` after fragment ``f``'s outer step with the aggregate ``delta`` (the blend with ``alpha``)."""
@@ -543,11 +559,12 @@ def diloco(
             out=state.outbox,
         )
 
-    def make_update(with_outbox: bool, fallback: bool, split: bool = False):
+    def make_update(with_outbox: bool, fallback: bool, split: bool = False, with_shares: bool = False):
         """``update``. ``with_outbox``: the state of ``overlap=True`` (sends go to the outbox);
         ``fallback=False``: the applying step trusts that the exchange has run (``overlapped_step``'s
         fused mode, which then sees no collective inside the switch, and external runners);
-        ``split``: with ``sync_delay=0``, the synchronising step only sends (a runner lands)."""
+        ``split``: with ``sync_delay=0``, the synchronising step only sends (a runner lands);
+        ``with_shares``: the eager step reads the worker's share from the state (islands)."""
 
         def update_fn(updates, state, params=None, **extra_args):
             num_workers = comm.require_axis(axis_name, "diloco")
@@ -613,14 +630,21 @@ def diloco(
 
                 return branch
 
+            def eager_delta(f, previous_mean, own, c):
+                """``Delta(t-1) + s_i (Delta_i(t) - Delta_i(t-1))``; ``s_i = 1 / workers`` for the mean."""
+                if not (with_shares or share_fn is not None):
+                    return [
+                        (m + (o - p) / num_workers).astype(o.dtype)
+                        for m, o, p in zip(previous_mean, own, c.out[f])
+                    ]
+                share = state.shares[f] if with_shares else share_fn(c.agg_s[f])
+                return [(m + share * (o - p)).astype(o.dtype) for m, o, p in zip(previous_mean, own, c.out[f])]
+
             def eager_sync(f):
                 def branch(c):
                     own = pseudo_of(f, c)
                     previous_mean, c = resolve(f, c)
-                    delta = [
-                        (m + (o - p) / num_workers).astype(o.dtype)
-                        for m, o, p in zip(previous_mean, own, c.out[f])
-                    ]
+                    delta = eager_delta(f, previous_mean, own, c)
                     return send_or_keep(f, own, landed(f, delta, c))
 
                 return branch
@@ -654,6 +678,7 @@ def diloco(
                 pending=c.pend,
                 exchanged=c.exch,
                 outbox=c.out,
+                shares=state.shares,
             )
             return jax.tree.unflatten(treedef, out), new_state
 
@@ -684,12 +709,15 @@ def diloco(
             land=land_after_send if with_land else None,
             run_first=exchange if stages is None else exchange_with(stages.first),
             finish=finish,
+            eager=eager,
         )
 
     tx = DiLoCoTransformation(make_init(overlap), make_update(overlap, fallback=True))
     if overlap:
         tx.exchange = outer_exchange(DiLoCoTransformation(make_init(True), make_update(True, False)), False)
     split = sync_delay == 0 and not eager
-    external = DiLoCoTransformation(make_init(True), make_update(True, fallback=False, split=split))
+    external = DiLoCoTransformation(
+        make_init(True, with_shares=eager), make_update(True, fallback=False, split=split, with_shares=eager)
+    )
     tx.external = outer_exchange(external, split)
     return tx

@@ -9,7 +9,9 @@ result with the other islands' in one SUM all-reduce of ``[w * d, w]``
 (:mod:`.merge`) over the transport. The merged aggregate lands where the
 step would have put it (``pending``, read by the applying step; or, with
 ``sync_delay=0``, the diloco's ``land``), so every DiLoCo variant runs
-across islands with the numbers of one in-process ``diloco``.
+across islands with the numbers of one in-process ``diloco``. Under
+``eager`` the island also writes its share of the round (its weight over
+the sum) into the state, where the eager step reads it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,14 @@ class SyncRecord:
       healed: whether this island healed from a peer in this round (weight 0).
       redone: how many times the exchange was run again among survivors.
       anchor_sha256: SHA-256 of the anchor's float32 bytes after the round
-        (leaves in tree order): equal on every participant.
+        (leaves in tree order): equal on every participant, except under
+        ``eager``, where each island's anchor takes its own fresh
+        pseudo-gradient.
       seconds: from the round's first quorum to its commit.
+      agreed_sha256: SHA-256 of what every participant holds bit-identical
+        after the round, which the members of the next round check: the
+        anchor (``anchor_sha256``), or under ``eager`` the merged aggregates
+        every fragment waits with (the state's ``pending``).
     """
 
     round: int
@@ -56,6 +64,7 @@ class SyncRecord:
     redone: int
     anchor_sha256: str
     seconds: float
+    agreed_sha256: str = ""
 
 
 @dataclasses.dataclass
@@ -72,8 +81,12 @@ class _Outcome:
 
 def anchor_sha256(opt_state: Any) -> str:
     """SHA-256 of a :class:`jaxopt_dist.DiLoCoState`'s anchor as float32 bytes, leaves in tree order."""
+    return _sha256(opt_state.anchor)
+
+
+def _sha256(tree: Any) -> str:
     h = hashlib.sha256()
-    for x in jax.tree.leaves(opt_state.anchor):
+    for x in jax.tree.leaves(tree):
         h.update(np.ascontiguousarray(_host(x), np.float32).tobytes())
     return h.hexdigest()
 
@@ -142,7 +155,7 @@ class Island:
         self._healing: Any = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="island-round")
         self._flight: concurrent.futures.Future | None = None
-        self._unrecorded: _Outcome | None = None
+        self._unrecorded: list[_Outcome] = []  # landed rounds whose applying step has not run
         self._steps_since_sync = 0
         self._t: int | None = None
         self._last: Any = None
@@ -163,7 +176,7 @@ class Island:
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
         self._take_snapshot(params, opt_state)
-        self._digest = anchor_sha256(opt_state)
+        self._digest = self._agreed(opt_state)
         if self._lead:
             self.transport.bind(self.island_id, self._save, self._load)
         params, opt_state = self._land(self._round_now(None, [], params, opt_state), params, opt_state)
@@ -179,11 +192,11 @@ class Island:
             t = self._count(opt_state)
         params, opt_state, metrics = self.step(params, opt_state, batch)
         self._steps_since_sync += 1
-        done, self._unrecorded = self._unrecorded, None
-        if done is not None and done.fragment in self.exchange.lands_at(t):
-            self._record(done, params, opt_state)
-        elif done is not None:
-            self._unrecorded = done
+        applied = self.exchange.lands_at(t)
+        due = [o for o in self._unrecorded if o.fragment in applied]
+        self._unrecorded = [o for o in self._unrecorded if o.fragment not in applied]
+        for o in due:
+            self._record(o, params, opt_state)
         self._t = t + 1
         for f in self.exchange.launches_after(t):
             params, opt_state = self._launch(f, params, opt_state)
@@ -198,6 +211,12 @@ class Island:
             if self.exchange.land is not None:
                 jax.block_until_ready(self._land_now(f, delta, p, s))
         self._own_agg = None
+
+    def model(self, opt_state: Any) -> Any:
+        """The island's global model: the anchor (under ``eager``, per worker, the island's own row)."""
+        if self.exchange.eager:
+            return jax.tree.map(lambda a: a[0], opt_state.anchor)
+        return opt_state.anchor
 
     def step_count(self, opt_state: Any) -> int:
         """The inner steps ``opt_state`` has taken (after healing: its source's count)."""
@@ -226,6 +245,8 @@ class Island:
     def _launch(self, f: int, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """After the step that sent fragment ``f``: its round, now (``sync_delay=0``) or beside the next steps."""
         self._take_snapshot(params, opt_state)
+        if self.exchange.eager:  # a heal may land a round whose applying step comes after this send
+            self._digest = self._agreed(opt_state)
         own = self._contribution(f, params, opt_state)
         if self.exchange.land is not None:
             return self._land(self._round_now(f, own, params, opt_state), params, opt_state)
@@ -255,7 +276,7 @@ class Island:
                     healed = self._adopt(opt_state)
                     f = self._fragment_of(healed[1])
                     own = self._nothing(f, healed[1])
-                    digest = anchor_sha256(healed[1])
+                    digest = self._agreed(healed[1])
                 merged = self._exchange(own, self._weight(f, healed is not None), digest)
             except ExchangeError:
                 pass
@@ -377,8 +398,9 @@ class Island:
             )
             self._t, self._own_agg, self._steps_since_sync = None, None, 0
         f = o.fragment
+        opt_state = self._with_shares(o, opt_state)
         if f < 0:  # a join round: nothing to land
-            self._digest = anchor_sha256(opt_state)
+            self._digest = self._agreed(opt_state)
             return params, opt_state
         delta = self._finished(f, o.merged.delta, params, opt_state)
         aggs = list(opt_state.aggregate_states)
@@ -390,11 +412,31 @@ class Island:
             pend, exch = list(s.pending), list(s.exchanged)
             pend[f] = [jax.device_put(d, p.sharding) for d, p in zip(delta, s.pending[f])]
             exch[f] = jax.device_put(np.ones((), bool), exch[f].sharding)
-            self._unrecorded = o
+            self._unrecorded.append(o)
             return params, s._replace(pending=tuple(pend), exchanged=tuple(exch))
         params, s = self._land_now(f, delta, params, s)
         self._record(o, params, s)
         return params, s
+
+    def _with_shares(self, o: _Outcome, opt_state: Any) -> Any:
+        """Under ``eager``: the state with this island's share of what each fragment's ``pending`` will
+        hold after round ``o`` (its weight over the sum; after a join, ``1 / islands``, as the in-process
+        rule before any exchange; 0 for every fragment after a heal: it merged none of them)."""
+        if not self.exchange.eager:
+            return opt_state
+        shares = [float(np.asarray(_host(x))) for x in opt_state.shares]
+        if o.healed is not None:
+            shares = [0.0] * len(shares)
+        elif o.fragment < 0:
+            shares = [1.0 / max(len(o.merged.participants), 1)] * len(shares)
+        else:
+            shares[o.fragment] = merge.island_share(o.merged, self.island_id)
+        new = [jax.device_put(np.float32(v), x.sharding) for v, x in zip(shares, opt_state.shares)]
+        return opt_state._replace(shares=tuple(new))
+
+    def _agreed(self, opt_state: Any) -> str:
+        """The digest the members of a round must agree on: the anchor, or under ``eager`` ``pending``."""
+        return _sha256(opt_state.pending) if self.exchange.eager else anchor_sha256(opt_state)
 
     def _finished(self, f: int, merged: list[Any], params: Any, opt_state: Any) -> list[Any]:
         """The merged first stages of fragment ``f`` (host), placed like its anchor leaves, after the
@@ -422,9 +464,10 @@ class Island:
             redone=o.redone,
             anchor_sha256=anchor_sha256(opt_state),
             seconds=o.seconds,
+            agreed_sha256=self._agreed(opt_state),
         )
         self.records.append(rec)
-        self._digest = rec.anchor_sha256
+        self._digest = rec.agreed_sha256
         if self.on_sync is not None:
             self.on_sync(rec, params, opt_state)
 
@@ -450,11 +493,6 @@ def _check_step(step: Any) -> None:
         )
     if not getattr(step, "per_worker_params", False):
         raise ValueError("an Island needs a data_parallel_step with per_worker_params=True (DiLoCo's).")
-    if external.land is None and external.launch_phase == external.land_phase:
-        raise ValueError(
-            "diloco(eager=True) does not run across islands: its eager outer step divides by the number "
-            "of workers, which changes from round to round there."
-        )
     n = layout.mesh_axis_size(step.mesh, step.axis_name)
     if n != 1:
         raise ValueError(
@@ -503,7 +541,7 @@ def _exchange_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName
         anchor_f = [jax.tree.leaves(anchor)[i] for i in exchange.fragments(anchor)[f]]
         return exchange.run_first(f, list(outbox_f), agg_f, anchor_f)
 
-    return _on_island(body, axis_name, (True, agg_mask, False), (False, agg_mask))
+    return _on_island(body, axis_name, (True, agg_mask, mask.anchor), (False, agg_mask))
 
 
 def _finish_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
@@ -525,7 +563,10 @@ def _land_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) ->
 
 
 def _fragment_leaves(state: Any, f: int, exchange: Any) -> list[Any]:
-    """The anchor's leaves of fragment ``f`` (the merged aggregate is placed like them)."""
+    """Leaves placed as fragment ``f``'s merged aggregate is: its ``pending`` where the state keeps one,
+    else its anchor leaves (both replicated then; under ``eager`` the anchor is per-worker)."""
+    if state.pending[f]:
+        return list(state.pending[f])
     leaves = jax.tree.leaves(state.anchor)
     return [leaves[i] for i in exchange.fragments(state.anchor)[f]]
 

@@ -76,6 +76,14 @@ class Merged(NamedTuple):
         return len(set(self.rounds)) <= 1 and len(set(self.anchors)) <= 1
 
 
+def island_share(merged: Merged, slot: int) -> float:
+    """Island ``slot``'s weight over the sum of weights in a round (0 when absent or every weight is 0)."""
+    total = float(np.sum(np.asarray(merged.weights, np.float32)))
+    if slot not in merged.participants or not total > 0:
+        return 0.0
+    return float(np.float32(merged.weights[merged.participants.index(slot)]) / np.float32(total))
+
+
 TAG_BITS = 24  # a float32 holds every integer below 2**24 exactly
 
 
@@ -161,7 +169,9 @@ def weighted_mean(
     Use it as ``diloco(aggregate=weighted_mean(weights))`` for the in-process
     reference of islands that join, leave or heal: worker ``i`` stands for
     island ``i`` and ``weights[r, i]`` is its weight in round ``r`` (0: absent,
-    or healed in that round).
+    or healed in that round). Under ``diloco(eager=True)`` a worker's own
+    fresh pseudo-gradient then replaces its share ``w_i / sum_j w_j`` of the
+    previous round (``1 / workers`` before the first), as an island's does.
 
     Args:
       weights: None (every weight 1: the mean); an array ``[rounds, workers]``
@@ -183,12 +193,23 @@ def weighted_mean(
     if table is not None and table.ndim != 2:
         raise ValueError(f"`weights` must be [rounds, workers]; got shape {table.shape}.")
 
+    def row(r: jax.Array) -> jax.Array:
+        """The ``[workers]`` weights of round ``r``."""
+        if table is not None:
+            return jnp.asarray(table)[jnp.minimum(r, table.shape[0] - 1)]
+        return jnp.asarray(weights(r), jnp.float32)
+
     def weight_of(r: jax.Array, i: jax.Array) -> jax.Array:
         if weights is None:
             return jnp.ones([], jnp.float32)
-        if table is not None:
-            return jnp.asarray(table)[jnp.minimum(r, table.shape[0] - 1), i]
-        return jnp.asarray(weights(r), jnp.float32)[i]
+        return row(r)[i]
+
+    def share(state):
+        """This worker's weight over the sum in the round the last update merged (``1 / n`` before any)."""
+        n = comm.require_axis(axis_name, "weighted_mean")
+        w = row(jnp.maximum(state.rounds - 1, 0))
+        mine = _divide(w[comm.axis_index(axis_name)], jnp.sum(w))
+        return jnp.where(state.rounds > 0, mine, jnp.float32(1.0 / n))
 
     def init_fn(params):
         del params
@@ -208,7 +229,8 @@ def weighted_mean(
         out = jax.tree.map(lambda m, x: m.astype(x.dtype), out, updates)
         return out, WeightedMeanState(rounds=jnp.asarray(optax.safe_increment(state.rounds)))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return tx if weights is None else base.declare_share(tx, share)
 
 
 def _divide(body: jax.Array, total: jax.Array) -> jax.Array:
