@@ -427,6 +427,8 @@ UTIL_CONFIGS = [
         ["--sync-delay", "1"],
         ["--stop-in-exchange-after", "5"],
     ),
+    ("exchange every 10 steps, eager (overlapped a period)", ["--eager"], []),
+    ("eager, island 2 SIGKILLed entering round ~5's all-reduce", ["--eager"], ["--die-in-exchange-after", "5"]),
 ]
 
 
@@ -797,6 +799,13 @@ def main() -> int:
     )
     ap.add_argument("--soak", type=int, default=12, help="random faults in the soak")
     ap.add_argument(
+        "--utilization-runs",
+        default=None,
+        metavar="WORDS",
+        help="comma-separated words: only the utilization runs whose name holds one (the first, the "
+        "baseline, always runs)",
+    )
+    ap.add_argument(
         "--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS, help="the lighthouses' join timeout"
     )
     a = ap.parse_args()
@@ -838,6 +847,9 @@ def main() -> int:
         section("healing", lambda: healing(1 if q else 4, os.path.join(workdir, "healing")), healing_table)
     if "utilization" in only:
         configs = [UTIL_CONFIGS[0], UTIL_CONFIGS[2]] if q else UTIL_CONFIGS
+        if a.utilization_runs:
+            words = a.utilization_runs.split(",")
+            configs = configs[:1] + [c for c in configs[1:] if any(w in c[0] for w in words)]
         section(
             "utilization",
             lambda: utilization(100 if q else 300, os.path.join(workdir, "utilization"), configs),

@@ -6,7 +6,8 @@ while then SIGCONT (it hangs, silent, sockets open), and restarts (a new
 process with the same island id, which heals from a live peer). Each fault
 fires when the islands' logs reach a round. At the end the driver reads
 every island's JSON lines and checks what the islands guarantee: after every
-round, all its participants logged the same anchor (``anchor_sha256``); no
+round, all its participants logged the same anchor (``agreed_sha256``: the
+anchor, or under ``--eager`` the merged mean each island's anchor takes); no
 island waited past its bound (an island still running at the end is a hang).
 
     python examples/islands_chaos.py --islands 3 --steps 300 \\
@@ -232,7 +233,8 @@ def summarize(rows: list[dict[str, Any]], hung: list[int]) -> dict[str, Any]:
     by_round: dict[int, set[tuple[Any, ...]]] = {}
     for r in rows:  # every island that logged a round must have logged the same members and anchor
         if "round" in r:
-            by_round.setdefault(r["round"], set()).add((tuple(r["participants"]), r["anchor_sha256"]))
+            agreed = r.get("agreed_sha256", r["anchor_sha256"])
+            by_round.setdefault(r["round"], set()).add((tuple(r["participants"]), agreed))
     done = {r["island"]: r["val_loss"] for r in rows if r.get("done")}
     return {
         "rounds_committed": len(by_round),

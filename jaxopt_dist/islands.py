@@ -77,7 +77,7 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     r"""Runs ``step`` (a DiLoCo :func:`jaxopt_dist.data_parallel_step`) as one island over ``transport``.
 
     ``step``'s ``tx`` must be a :func:`jaxopt_dist.diloco` (any fragments,
-    ``sync_delay``, ``mixing``, ``aggregate``; not ``eager``), with
+    ``sync_delay``, ``eager``, ``mixing``, ``aggregate``), with
     ``per_worker_params=True`` and a data axis of size 1: the island is one
     DiLoCo worker, and splits its batch over its own devices with the step's
     ``batch_axes`` as usual, its parameters replicated over them
@@ -90,14 +90,19 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     since it last synchronised with ``rule="tokens"``; 0 in a round it heals
     in). With ``sync_delay=0`` the round runs right after that step; with
     ``sync_delay >= 1`` in a thread beside the next inner steps, landing in
-    the step that applies it.
+    the step that applies it. Under ``eager`` the round runs beside the
+    steps up to the next fragment's synchronisation, and lands with the
+    island's share of it (its weight over the sum; 0 after a heal), which
+    scales the island's own fresh pseudo-gradient in its next outer step
+    of that fragment.
 
     A round is: quorum (an island that is behind heals from a peer here), the
     all-reduce, the commit. When the all-reduce fails (a member died or
     stalled past the transport's timeout), the survivors form a new quorum and
     redo it with the same pseudo-gradients, until it commits or
     ``round_timeout`` passes (:class:`IslandsError`). Every participant of a
-    round ends it with the same anchor, bit for bit.
+    round ends it with the same anchor, bit for bit (under ``eager``, the same
+    merged mean; each island's anchor is its own, :meth:`Island.model`).
 
     Call :meth:`Island.init` once (it joins the others and heals if they are
     ahead), then the island like the step; :meth:`Island.finish` at the end.

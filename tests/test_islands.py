@@ -376,10 +376,6 @@ def test_island_rejects_what_it_cannot_run():
             hub.transport(),
             island_id=0,
         )
-    with pytest.raises(ValueError, match="eager=True"):
-        islands.island(
-            _step(jd.diloco(optax.sgd(0.1), sync_every=2, eager=True)), hub.transport(), island_id=0
-        )
     with pytest.raises(ValueError, match="must have size 1"):
         islands.island(_step(jd.diloco(optax.sgd(0.1), sync_every=2), n=2), hub.transport(), island_id=0)
     with pytest.raises(ValueError, match="per_worker_params=True"):

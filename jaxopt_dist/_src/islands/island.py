@@ -397,6 +397,7 @@ class Island:
                 lambda h, t: jax.device_put(h, t.sharding), o.healed, (params, opt_state)
             )
             self._t, self._own_agg, self._steps_since_sync = None, None, 0
+            self._unrecorded = []  # rounds of the life it left
         f = o.fragment
         opt_state = self._with_shares(o, opt_state)
         if f < 0:  # a join round: nothing to land
