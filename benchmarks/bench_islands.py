@@ -428,7 +428,11 @@ UTIL_CONFIGS = [
         ["--stop-in-exchange-after", "5"],
     ),
     ("exchange every 10 steps, eager (overlapped a period)", ["--eager"], []),
-    ("eager, island 2 SIGKILLed entering round ~5's all-reduce", ["--eager"], ["--die-in-exchange-after", "5"]),
+    (
+        "eager, island 2 SIGKILLed entering round ~5's all-reduce",
+        ["--eager"],
+        ["--die-in-exchange-after", "5"],
+    ),
 ]
 
 

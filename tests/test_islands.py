@@ -311,7 +311,9 @@ def test_eager_islands_keep_a_round_through_a_death_and_heal_with_share_zero(F):
     def make_tx(weights=None):
         outer = optax.sgd(0.7, momentum=0.9)
         agg = islands.weighted_mean(weights)
-        return jd.diloco(optax.sgd(0.1), sync_every=2 * F, num_fragments=F, eager=True, outer=outer, aggregate=agg)
+        return jd.diloco(
+            optax.sgd(0.1), sync_every=2 * F, num_fragments=F, eager=True, outer=outer, aggregate=agg
+        )
 
     steps, out, first, rejoin, shares = 12 * F * 2, {}, {}, {}, {}
     # All three join (before any exchange the in-process share is 1 / 3; an island's is 1 / the
@@ -355,7 +357,9 @@ def test_eager_islands_keep_a_round_through_a_death_and_heal_with_share_zero(F):
     if F == 1:  # the in-process reference: weighted_mean with the rounds' weights (round k is sync k - 1)
         table = np.ones((steps // 2, N), np.float32)
         for r in by_round.values():
-            table[r.round - 1] = [r.weights[r.participants.index(j)] if j in r.participants else 0.0 for j in range(N)]
+            table[r.round - 1] = [
+                r.weights[r.participants.index(j)] if j in r.participants else 0.0 for j in range(N)
+            ]
         ref = _reference(lambda: make_tx(table), steps)
         for r, anchor in out[0]:
             if r.round <= h:

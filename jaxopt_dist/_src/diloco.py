@@ -638,7 +638,9 @@ def diloco(
                         for m, o, p in zip(previous_mean, own, c.out[f])
                     ]
                 share = state.shares[f] if with_shares else share_fn(c.agg_s[f])
-                return [(m + share * (o - p)).astype(o.dtype) for m, o, p in zip(previous_mean, own, c.out[f])]
+                return [
+                    (m + share * (o - p)).astype(o.dtype) for m, o, p in zip(previous_mean, own, c.out[f])
+                ]
 
             def eager_sync(f):
                 def branch(c):

@@ -197,6 +197,7 @@ def weighted_mean(
         """The ``[workers]`` weights of round ``r``."""
         if table is not None:
             return jnp.asarray(table)[jnp.minimum(r, table.shape[0] - 1)]
+        assert callable(weights)
         return jnp.asarray(weights(r), jnp.float32)
 
     def weight_of(r: jax.Array, i: jax.Array) -> jax.Array:
