@@ -97,8 +97,10 @@ def test_eager_matches_reference(backend, n, F, overlap):
     assert not np.array_equal(np.asarray(state.anchor["a"])[0], np.asarray(state.anchor["a"])[1])
 
 
-@pytest.mark.parametrize("backend,n,F", [("vmap", 3, 1), ("shard_map", 2, 2)])
-def test_eager_with_weighted_workers_matches_reference(backend, n, F):
+@pytest.mark.parametrize(
+    "backend,n,F,overlap", [("vmap", 3, 1, False), ("vmap", 3, 1, True), ("shard_map", 2, 2, False)]
+)
+def test_eager_with_weighted_workers_matches_reference(backend, n, F, overlap):
     """With a weighted mean (islands' in-process reference) a worker's fresh pseudo-gradient enters
     with its weight over the sum in the previous round, 0 when it was absent."""
     H = 2 * F
@@ -108,7 +110,12 @@ def test_eager_with_weighted_workers_matches_reference(backend, n, F):
     table[1, n - 1] = 0.0  # absent in each fragment's second round
     table[2, 0] = 3.0  # a token-weighted round
     tx = jd.diloco(
-        _inner(), sync_every=H, num_fragments=F, eager=True, aggregate=islands.weighted_mean(table)
+        _inner(),
+        sync_every=H,
+        num_fragments=F,
+        eager=True,
+        overlap=overlap,
+        aggregate=islands.weighted_mean(table),
     )
     _, p, state = helpers.run_steps(tx, grads, params, backend=backend, per_worker_params=True)
     want_x, want_anchor = np_eager(grads, params, H=H, F=F, weights=table)
