@@ -320,9 +320,18 @@ def test_eager_islands_keep_a_round_through_a_death_and_heal_with_share_zero(F):
     # islands that joined with it); two are enough once island 0 has seen round 1.
     hub = islands.LocalHub(min_islands=N, join_timeout=10.0)
 
+    bound = threading.Event()  # the restarted island has joined the hub
+
+    class Announcing(islands.LocalTransport):
+        def bind(self, *args):
+            super().bind(*args)
+            bound.set()
+
     def thread(i, transport, sink):
         def seen(rec, p, s):
             shares.setdefault(i, []).append((rec.round, [float(np.asarray(x)) for x in s.shares]))
+            if rec.round >= 6 and sink is out:  # the survivors wait for the restart (a loaded machine)
+                assert bound.wait(60)
 
         _island_thread(i, make_tx, transport, steps, sink, on_sync_too=seen)
 
@@ -335,7 +344,7 @@ def test_eager_islands_keep_a_round_through_a_death_and_heal_with_share_zero(F):
         while not any(r.round >= 5 for r, _ in out.get(0, [])):
             time.sleep(0.01)
         shares.pop(2, None)
-        thread(2, hub.transport(), rejoin)
+        thread(2, Announcing(hub), rejoin)
 
     _run_threads(
         [(thread, (i, hub.transport(), out), {}) for i in (0, 1)]
