@@ -40,6 +40,8 @@ def test_pack_unpack_is_the_weighted_mean():
     assert merged.participants == [0, 4, 9]
     assert merged.weights == [0.0, 2.0, 5.0]
     assert merged.rounds == [7, 7, 7] and merged.anchors == [123, 123, 123] and merged.agree()
+    # An island's share of the merged mean (eager's coefficient of its own fresh pseudo-gradient).
+    assert [islands.island_share(merged, i) for i in (0, 4, 9, 3)] == pytest.approx([0.0, 2 / 7, 5 / 7, 0.0])
 
 
 def test_unpack_all_weights_zero_gives_zeros_and_disagreement_is_seen():
@@ -48,6 +50,7 @@ def test_unpack_all_weights_zero_gives_zeros_and_disagreement_is_seen():
     merged = islands.unpack(a + b, [np.ones(3, np.float32)], num_slots=4)
     np.testing.assert_array_equal(merged.delta[0], np.zeros(3))
     assert merged.rounds == [1, 2] and not merged.agree()
+    assert islands.island_share(merged, 0) == 0.0  # no weight in the round: no share
 
 
 def test_pack_and_unpack_errors():
