@@ -803,6 +803,11 @@ def main() -> int:
     )
     ap.add_argument("--soak", type=int, default=12, help="random faults in the soak")
     ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="every island runs diloco(eager=True) (examples/islands.py --eager): for the soak",
+    )
+    ap.add_argument(
         "--utilization-runs",
         default=None,
         metavar="WORDS",
@@ -816,12 +821,15 @@ def main() -> int:
     workdir = a.workdir or tempfile.mkdtemp(prefix="bench_islands_")
     only = set(a.only.split(","))
     globals()["JOIN_TIMEOUT_MS"] = a.join_timeout_ms
+    if a.eager:
+        COMMON.append("--eager")
     q = a.quick
     results: dict[str, Any] = {
         "quick": q,
         "machine": f"{os.cpu_count()} CPUs",
         "workdir": workdir,
         "join_timeout_ms": a.join_timeout_ms,
+        "eager": a.eager,
     }
     print(
         f"# bench_islands ({'quick' if q else 'full'}; logs in {workdir}; load average {load()})\n",
