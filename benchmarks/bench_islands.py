@@ -808,6 +808,9 @@ def main() -> int:
         help="every island runs diloco(eager=True) (examples/islands.py --eager): for the soak",
     )
     ap.add_argument(
+        "--outer-lr", type=float, default=None, help="the islands' outer learning rate (examples/islands.py's)"
+    )
+    ap.add_argument(
         "--utilization-runs",
         default=None,
         metavar="WORDS",
@@ -823,6 +826,8 @@ def main() -> int:
     globals()["JOIN_TIMEOUT_MS"] = a.join_timeout_ms
     if a.eager:
         COMMON.append("--eager")
+    if a.outer_lr is not None:
+        COMMON.extend(["--outer-lr", str(a.outer_lr)])
     q = a.quick
     results: dict[str, Any] = {
         "quick": q,
@@ -830,6 +835,7 @@ def main() -> int:
         "workdir": workdir,
         "join_timeout_ms": a.join_timeout_ms,
         "eager": a.eager,
+        "outer_lr": a.outer_lr,
     }
     print(
         f"# bench_islands ({'quick' if q else 'full'}; logs in {workdir}; load average {load()})\n",

@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's learning rate")
+    p.add_argument(
+        "--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate (momentum 0.9)"
+    )
     p.add_argument("--timeout", type=float, default=2.0, help="seconds an all-reduce or heal may take")
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds to wait for a quorum")
     p.add_argument("--quorum-retries", type=int, default=3, help="retries of a failed quorum request")
@@ -204,6 +207,7 @@ def build(args: argparse.Namespace) -> Setup:
     val = jax.jit(lambda p: loss_fn(p, {"x": x_val, "y": y_val}))
     tx = jd.diloco(
         optax.adamw(args.lr),
+        outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
         sync_every=args.sync_every,
         num_fragments=args.num_fragments,
         sync_delay=args.sync_delay,
