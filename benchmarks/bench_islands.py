@@ -808,7 +808,10 @@ def main() -> int:
         help="every island runs diloco(eager=True) (examples/islands.py --eager): for the soak",
     )
     ap.add_argument(
-        "--outer-lr", type=float, default=None, help="the islands' outer learning rate (examples/islands.py's)"
+        "--outer-lr",
+        type=float,
+        default=None,
+        help="the islands' outer learning rate (examples/islands.py's)",
     )
     ap.add_argument(
         "--utilization-runs",
