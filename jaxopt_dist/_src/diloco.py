@@ -632,15 +632,12 @@ def diloco(
 
             def eager_delta(f, previous_mean, own, c):
                 """``Delta(t-1) + s_i (Delta_i(t) - Delta_i(t-1))``; ``s_i = 1 / workers`` for the mean."""
-                if not (with_shares or share_fn is not None):
-                    return [
-                        (m + (o - p) / num_workers).astype(o.dtype)
-                        for m, o, p in zip(previous_mean, own, c.out[f])
-                    ]
-                share = state.shares[f] if with_shares else share_fn(c.agg_s[f])
-                return [
-                    (m + share * (o - p)).astype(o.dtype) for m, o, p in zip(previous_mean, own, c.out[f])
-                ]
+                share = state.shares[f] if with_shares else None if share_fn is None else share_fn(c.agg_s[f])
+
+                def fresh(o, p):  # the mean's own division, so that its numbers stay bit for bit
+                    return (o - p) / num_workers if share is None else share * (o - p)
+
+                return [(m + fresh(o, p)).astype(o.dtype) for m, o, p in zip(previous_mean, own, c.out[f])]
 
             def eager_sync(f):
                 def branch(c):

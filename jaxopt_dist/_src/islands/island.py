@@ -245,8 +245,6 @@ class Island:
     def _launch(self, f: int, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """After the step that sent fragment ``f``: its round, now (``sync_delay=0``) or beside the next steps."""
         self._take_snapshot(params, opt_state)
-        if self.exchange.eager:  # a heal may land a round whose applying step comes after this send
-            self._digest = self._agreed(opt_state)
         own = self._contribution(f, params, opt_state)
         if self.exchange.land is not None:
             return self._land(self._round_now(f, own, params, opt_state), params, opt_state)
@@ -414,7 +412,10 @@ class Island:
             pend[f] = [jax.device_put(d, p.sharding) for d, p in zip(delta, s.pending[f])]
             exch[f] = jax.device_put(np.ones((), bool), exch[f].sharding)
             self._unrecorded.append(o)
-            return params, s._replace(pending=tuple(pend), exchanged=tuple(exch))
+            s = s._replace(pending=tuple(pend), exchanged=tuple(exch))
+            if self.exchange.eager:  # what the next round's members check changes here, not at the record
+                self._digest = self._agreed(s)
+            return params, s
         params, s = self._land_now(f, delta, params, s)
         self._record(o, params, s)
         return params, s
@@ -425,15 +426,13 @@ class Island:
         rule before any exchange; 0 for every fragment after a heal: it merged none of them)."""
         if not self.exchange.eager:
             return opt_state
-        shares = [float(np.asarray(_host(x))) for x in opt_state.shares]
-        if o.healed is not None:
-            shares = [0.0] * len(shares)
-        elif o.fragment < 0:
-            shares = [1.0 / max(len(o.merged.participants), 1)] * len(shares)
+        shares = list(opt_state.shares)
+        if o.healed is not None or o.fragment < 0:
+            every = 0.0 if o.healed is not None else 1.0 / max(len(o.merged.participants), 1)
+            shares = [_placed(every, x) for x in shares]
         else:
-            shares[o.fragment] = merge.island_share(o.merged, self.island_id)
-        new = [jax.device_put(np.float32(v), x.sharding) for v, x in zip(shares, opt_state.shares)]
-        return opt_state._replace(shares=tuple(new))
+            shares[o.fragment] = _placed(merge.island_share(o.merged, self.island_id), shares[o.fragment])
+        return opt_state._replace(shares=tuple(shares))
 
     def _agreed(self, opt_state: Any) -> str:
         """The digest the members of a round must agree on: the anchor, or under ``eager`` ``pending``."""
@@ -455,6 +454,7 @@ class Island:
         return jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), new, (params, s))
 
     def _record(self, o: _Outcome, params: Any, opt_state: Any) -> None:
+        anchor = anchor_sha256(opt_state)
         rec = SyncRecord(
             round=o.round,
             step=_host_count(opt_state),
@@ -463,9 +463,9 @@ class Island:
             weights=tuple(o.merged.weights),
             healed=o.healed is not None,
             redone=o.redone,
-            anchor_sha256=anchor_sha256(opt_state),
+            anchor_sha256=anchor,
             seconds=o.seconds,
-            agreed_sha256=self._agreed(opt_state),
+            agreed_sha256=self._digest if self.exchange.eager else anchor,  # eager: kept at each landing
         )
         self.records.append(rec)
         self._digest = rec.agreed_sha256
@@ -570,6 +570,11 @@ def _fragment_leaves(state: Any, f: int, exchange: Any) -> list[Any]:
         return list(state.pending[f])
     leaves = jax.tree.leaves(state.anchor)
     return [leaves[i] for i in exchange.fragments(state.anchor)[f]]
+
+
+def _placed(value: float, like: jax.Array) -> jax.Array:
+    """A float32 scalar placed as ``like``."""
+    return jax.device_put(np.float32(value), like.sharding)
 
 
 def _host_like(template: Any, leaves: list[np.ndarray]) -> Any:
