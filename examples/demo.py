@@ -337,6 +337,39 @@ class Checkpoints:
         os.replace(tmp, self.row_path)
 
 
+def loss_function(model) -> Callable[[Any, dict[str, Any]], jax.Array]:
+    """``loss(params, batch)``: the model's mean cross-entropy on ``batch``."""
+
+    def loss_fn(params, batch):
+        logits = model.apply(params, batch["x"]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    return loss_fn
+
+
+def start_params(method: Method, params0: Any) -> Any:
+    """The parameters the method starts from: ``params0``, in bfloat16 for the ``bf16`` rows."""
+    return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params0) if method.bf16 else params0
+
+
+def make_step(
+    method: Method, loss_fn: Callable[..., jax.Array], mesh, snapshots: list[Any]
+) -> tuple[optax.GradientTransformation, Any]:
+    """The method's optimizer and its data-parallel step on ``mesh`` (``snapshots``: of the warm-up)."""
+    if method.sized:
+        tx = method.make(num_workers=mesh.shape["data"])
+    else:
+        tx = method.make(snapshots) if method.warmup else method.make()
+    step = jd.data_parallel_step(
+        loss_fn,
+        tx,
+        mesh=mesh,
+        per_worker_params=method.per_worker_params,
+        loss_scale=jd.loss_scale if method.bf16 else None,
+    )
+    return tx, step
+
+
 def train(name: str, method: Method, *, model, params0, data, args, mesh, progress) -> dict[str, Any]:
     ckpt = (
         Checkpoints(os.path.join(args.checkpoint_dir, name), args.checkpoint_every)
@@ -348,11 +381,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
         return row
     (x_train, y_train), (x_test, y_test) = data
     n = mesh.shape["data"]
-
-    def loss_fn(params, batch):
-        logits = model.apply(params, batch["x"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
+    loss_fn = loss_function(model)
     losses, times = [], []
 
     def run(step, params, opt_state, start, stop, phase=None):
@@ -368,9 +397,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
                 ckpt.save(phase, t + 1, (params, opt_state), {"losses": losses, "times": times})
         return params, opt_state
 
-    start = params0
-    if method.bf16:
-        start = jax.tree.map(lambda p: p.astype(jnp.bfloat16), start)
+    start = start_params(method, params0)
     snapshots = []
     warmup = int(method.warmup * args.steps)
     if warmup:  # dense SGD first, keeping parameter snapshots every `every` steps
@@ -392,17 +419,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
             if ckpt is not None:
                 ckpt.save("warmup", warmup, {"start": start, "snapshots": snapshots}, {"losses": losses})
         times.clear()  # report the time per step of the method itself
-    if method.sized:
-        tx = method.make(num_workers=n)
-    else:
-        tx = method.make(snapshots) if warmup else method.make()
-    step = jd.data_parallel_step(
-        loss_fn,
-        tx,
-        mesh=mesh,
-        per_worker_params=method.per_worker_params,
-        loss_scale=jd.loss_scale if method.bf16 else None,
-    )
+    tx, step = make_step(method, loss_fn, mesh, snapshots)
     first = warmup
     if ckpt is not None and (saved := ckpt.latest("main")) is not None:
         (params, opt_state), meta = ckpt.restore("main", saved, step.abstract_init(start))

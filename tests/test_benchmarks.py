@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tests import helpers
@@ -25,7 +27,15 @@ QUICK = {
     "bench_gossip": ["--quick"],
     "bench_hierarchical": ["--memory-only", "--quick"],
     "bench_lm": ["--quick", "--methods", "dense,diloco50,powersgd,muloco50"],
-    "bench_lowcomm": ["--quick", "--models", "digits MLP"],
+    # Rows for each path of the script: dense, a per-worker row with its own `eval`, one with
+    # `cost_steps`, a per-worker one without `eval`; every other row is traced below.
+    "bench_lowcomm": [
+        "--quick",
+        "--models",
+        "digits MLP",
+        "--methods",
+        "dense AdamW,DiLoCo H=50,0/1 Adam,choco_top10%",
+    ],
     "bench_overhead": ["--quick"],
     "multihost_sum_order": [],
 }
@@ -44,3 +54,24 @@ def test_benchmark_runs(name):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip(), "the benchmark printed nothing"
+
+
+def test_every_lowcomm_row_builds_and_traces():
+    """Every row of ``bench_lowcomm`` builds its optimizer and traces its training and evaluation.
+
+    Tracing compiles nothing, so this keeps the rows that the run above leaves out working.
+    """
+    sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
+    import bench_lowcomm as bench
+
+    model, steps = "digits MLP", 4
+    init, _ = bench.MODELS[model]
+    p0 = init(0)
+    xs = jax.ShapeDtypeStruct((steps, bench.N, bench.BATCH, 64), jnp.float32)
+    ys = jax.ShapeDtypeStruct((steps, bench.N, bench.BATCH), jnp.int32)
+    for name in bench.METHODS:
+        run, evaluate, _, _ = bench._trainer(name, model, steps)
+        p, s = jax.eval_shape(run, p0, xs, ys)
+        final = jax.eval_shape(evaluate, p, s)
+        assert jax.tree.structure(final) == jax.tree.structure(p0), name
+        assert [x.shape for x in jax.tree.leaves(final)] == [x.shape for x in jax.tree.leaves(p0)], name
