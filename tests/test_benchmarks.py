@@ -26,7 +26,7 @@ QUICK = {
     "bench_dimreduce": ["--quick"],
     "bench_gossip": ["--quick"],
     "bench_hierarchical": ["--memory-only", "--quick"],
-    "bench_lm": ["--quick", "--methods", "dense,diloco50,powersgd,muloco50"],
+    "bench_lm": ["--quick", "--methods", "dense,powersgd,muloco50"],
     # Rows for each path of the script: dense, a per-worker row with its own `eval`, one with
     # `cost_steps`, a per-worker one without `eval`; every other row is traced below.
     "bench_lowcomm": [
