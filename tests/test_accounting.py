@@ -581,3 +581,21 @@ def test_a_period_beyond_the_simulation_is_an_error(monkeypatch):
     cost = jd.communication_cost(jd.average_params(every=600), PARAMS, num_workers=4, steps=600)
     dense = jd.communication_cost(jd.all_reduce(), PARAMS, num_workers=4)
     assert cost.sent_bytes == pytest.approx(dense.sent_bytes / 600)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jd.diloco(optax.adam(1e-3), sync_every=6, num_fragments=3, sync_delay=1),
+        lambda: jd.noloco(optax.adam(1e-3), sync_every=5, num_permutations=4),
+        lambda: jd.desloc_adam(1e-3, sync_every=2, momentum_sync_every=4, variance_sync_every=8),
+    ],
+    ids=["streaming_diloco", "noloco", "desloc"],
+)
+def test_the_simulation_remembers_values_without_changing_a_number(make, monkeypatch):
+    """Steps that recompute a value from the same inputs reuse it; the cost is the one computed afresh."""
+    remembered = communication_cost(make(), PARAMS, num_workers=4)
+    monkeypatch.setattr(walk, "_value_key", lambda eqn, host: None)  # every value evaluated again
+    afresh = communication_cost(make(), PARAMS, num_workers=4)
+    assert remembered.sent_bytes > 0
+    assert remembered == afresh

@@ -77,6 +77,23 @@ def _host(x: Any) -> Any:
     return x
 
 
+def _value_key(eqn: Any, host: list[Any]) -> tuple[Any, ...] | None:
+    """What decides ``eqn``'s outputs: the equation and its inputs' types and bytes (None: not hashed).
+
+    Inputs that are not plain arrays or numbers (PRNG keys) are not hashed, and such an
+    equation is evaluated at every step.
+    """
+    key: list[Any] = [id(eqn)]
+    for x in host:
+        if isinstance(x, jax.Array):  # a PRNG key (see _host)
+            return None
+        a = np.asarray(x)
+        if a.dtype.kind not in "biuf":
+            return None
+        key.append((type(x), a.dtype.str, a.shape, a.tobytes()))
+    return tuple(key)
+
+
 def _is_closed_jaxpr(j: Any) -> bool:
     # By its fields: JAX 0.12's type stubs no longer export ``jax.extend.core.ClosedJaxpr``.
     return isinstance(getattr(j, "jaxpr", None), jcore.Jaxpr) and hasattr(j, "consts")
@@ -114,6 +131,9 @@ class _Walker:
         # id(jaxpr) -> (jaxpr, value): the jaxpr is kept alive so that ids stay unique.
         self.comm_cache: dict[int, tuple[Any, bool]] = cache.setdefault("comm", {})
         self.relevant_cache: dict[int, tuple[Any, list[int]]] = cache.setdefault(f"relevant{evaluate}", {})
+        # (id(eqn), its inputs' bytes) -> (eqn, outputs): the steps of a simulation recompute
+        # mostly the same small values (flags, counters modulo a period).
+        self.value_cache: dict[tuple[Any, ...], tuple[Any, list[Any]]] = cache.setdefault("values", {})
         self.resolved_branches = False
         self.unresolved_branches = False
         self.while_loops = False
@@ -236,13 +256,20 @@ class _Walker:
             return None
         if not all(_simulated(v.aval) for v in eqn.outvars):
             return None
+        # Host copies: literals cached from other traces can carry the sharding of
+        # another mesh, which eager evaluation would reject.
+        host = [_host(x) for x in ins]
+        key = _value_key(eqn, host)
+        if key is not None and key in self.value_cache:
+            return self.value_cache[key][1]
         try:
-            # Host copies: literals cached from other traces can carry the sharding of
-            # another mesh, which eager evaluation would reject.
-            res = eqn.primitive.bind(*[_host(x) for x in ins], **eqn.params)
+            res = eqn.primitive.bind(*host, **eqn.params)
         except Exception:  # e.g. vma casts outside shard_map: leave unknown
             return None
-        return list(res) if eqn.primitive.multiple_results else [res]
+        outs = list(res) if eqn.primitive.multiple_results else [res]
+        if key is not None:
+            self.value_cache[key] = (eqn, outs)  # the equation kept alive, so that its id stays its own
+        return outs
 
     def _cond(self, eqn: Any, ins: list[Any], path: tuple[str, ...]) -> Found:
         branches = eqn.params["branches"]
