@@ -355,11 +355,11 @@ def start_params(method: Method, params0: Any) -> Any:
 def make_step(
     method: Method, loss_fn: Callable[..., jax.Array], mesh, snapshots: list[Any]
 ) -> tuple[optax.GradientTransformation, Any]:
-    """The method's optimizer and its data-parallel step on ``mesh`` (``snapshots``: of the warm-up)."""
+    """The method's optimizer and its data-parallel step on ``mesh`` (``snapshots``: of the warm-up, if any)."""
     if method.sized:
         tx = method.make(num_workers=mesh.shape["data"])
     else:
-        tx = method.make(snapshots) if method.warmup else method.make()
+        tx = method.make(snapshots) if snapshots else method.make()
     step = jd.data_parallel_step(
         loss_fn,
         tx,
