@@ -62,13 +62,12 @@ def test_every_demo_method_builds_its_step_and_lowers_it():
     params0 = model.init(jax.random.key(0), jnp.zeros((1, 64)))
     (x, y), _ = demo.load_data(0)
     batch = demo.batch_at(x, y, 16 * 4, 0, 0)
+    loss_fn = demo.loss_function(model)
+    # DimReduce fits its subspace on the warm-up's snapshots: distinct ones.
+    warmed = [model.init(jax.random.key(k), jnp.zeros((1, 64))) for k in range(4)]
     for name, method in demo.methods().items():
         start = demo.start_params(method, params0)
-        # DimReduce fits its subspace on the warm-up's snapshots: distinct ones.
-        snapshots = (
-            [model.init(jax.random.key(k), jnp.zeros((1, 64))) for k in range(4)] if method.warmup else []
-        )
-        _, step = demo.make_step(method, demo.loss_function(model), mesh, snapshots)
+        _, step = demo.make_step(method, loss_fn, mesh, warmed if method.warmup else [])
         params, opt_state = step.abstract_init(start)
         assert step.lower(params, opt_state, batch).as_text(), name
 

@@ -632,7 +632,12 @@ def diloco(
 
             def eager_delta(f, previous_mean, own, c):
                 """``Delta(t-1) + s_i (Delta_i(t) - Delta_i(t-1))``; ``s_i = 1 / workers`` for the mean."""
-                share = state.shares[f] if with_shares else None if share_fn is None else share_fn(c.agg_s[f])
+                if with_shares:  # across islands: the island's own, kept in its state
+                    share = state.shares[f]
+                elif share_fn is not None:  # an aggregate that declares its workers' shares
+                    share = share_fn(c.agg_s[f])
+                else:
+                    share = None
 
                 def fresh(o, p):  # the mean's own division, so that its numbers stay bit for bit
                     return (o - p) / num_workers if share is None else share * (o - p)
