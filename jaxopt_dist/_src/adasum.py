@@ -14,7 +14,7 @@ leaf up a fixed binary tree over the workers, for any worker count; see
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,30 +81,64 @@ class _Layout:
     Leaf ``l`` is flattened, zero padded to ``cols[l] * p`` elements and
     reshaped to ``(p, cols[l])``; the leaves sit side by side along the
     columns, so splitting rows splits every leaf at once.
+
+    Leaves of equal column counts sit next to each other (a *bucket*), so
+    that the columns of a bucket of ``L_b`` leaves of ``c_b`` columns each
+    are a ``(rows, L_b, c_b)`` array (:meth:`_views`): per-leaf scalars
+    broadcast along its middle axis and per-leaf reductions run over its
+    other two, one operation per bucket whatever the number of leaves. Every
+    per-leaf vector below (exponents, dot products) is in this layout's leaf
+    order, bucket after bucket.
     """
 
     def __init__(self, leaves: list[jax.Array], p: int):
         self.dtype = leaves[0].dtype
-        self.shapes = [x.shape for x in leaves]
-        self.sizes = base.leaf_sizes(leaves)
+        self.p = p
+        self.compute_dtype = base.accumulation_dtype(self.dtype)
+        sizes = base.leaf_sizes(leaves)
+        buckets: dict[int, list[int]] = {}
+        for i, s in enumerate(sizes):
+            buckets.setdefault(-(-s // p), []).append(i)
+        self.order = [i for ids in buckets.values() for i in ids]  # the leaves, bucket after bucket
+        self.shapes = [leaves[i].shape for i in self.order]
+        self.sizes = [sizes[i] for i in self.order]
         self.cols = [-(-s // p) for s in self.sizes]
         self.offsets = [int(o) for o in np.cumsum([0, *self.cols])[:-1]]
         self.width = int(sum(self.cols))
-        self.p = p
-        self.compute_dtype = base.accumulation_dtype(self.dtype)
+        self.buckets = [(len(ids), c) for c, ids in buckets.items()]  # (leaves, columns each)
 
     def pack(self, leaves: list[jax.Array]) -> jax.Array:
         parts = [
-            jnp.pad(jnp.ravel(x), (0, c * self.p - s)).reshape(self.p, c)
-            for x, s, c in zip(leaves, self.sizes, self.cols)
+            jnp.pad(jnp.ravel(leaves[i]), (0, c * self.p - s)).reshape(self.p, c)
+            for i, s, c in zip(self.order, self.sizes, self.cols)
         ]
         return jnp.concatenate(parts, axis=1)
 
     def unpack(self, buf: jax.Array) -> list[jax.Array]:
-        return [
-            buf[:, o : o + c].reshape(-1)[:s].reshape(shape)
-            for o, c, s, shape in zip(self.offsets, self.cols, self.sizes, self.shapes)
-        ]
+        out: list[Any] = [None] * len(self.order)
+        for i, o, c, s, shape in zip(self.order, self.offsets, self.cols, self.sizes, self.shapes):
+            out[i] = buf[:, o : o + c].reshape(-1)[:s].reshape(shape)
+        return out
+
+    def _views(self, buf: jax.Array) -> list[jax.Array]:
+        """``buf`` ``(rows, M)`` as one ``(rows, L_b, c_b)`` array per bucket."""
+        out, start = [], 0
+        for count, c in self.buckets:
+            out.append(buf[:, start : start + count * c].reshape(buf.shape[0], count, c))
+            start += count * c
+        return out
+
+    def _join(self, views: list[jax.Array]) -> jax.Array:
+        """Inverse of :meth:`_views`."""
+        return jnp.concatenate([v.reshape(v.shape[0], -1) for v in views], axis=1)
+
+    def _per_bucket(self, v: jax.Array) -> list[jax.Array]:
+        """Per-leaf values ``(..., L)`` cut by bucket, each ``(..., 1, L_b, 1)`` to broadcast against a view."""
+        out, start = [], 0
+        for count, _ in self.buckets:
+            out.append(v[..., None, start : start + count, None])
+            start += count
+        return out
 
     def exponents(self, mine: jax.Array, other: jax.Array, first: jax.Array) -> jax.Array:
         """Per leaf, the binary exponents ``e`` with ``max|x| = m 2^e``, ``m`` in [0.5, 1): shape ``(2, L)``.
@@ -131,16 +165,13 @@ class _Layout:
         whose entries are all subnormal) are the bits compared instead.
         """
         nmant, _, _, _ = _bit_layout(x.dtype)
-        fast = _magnitude_bits(
-            jnp.stack([jnp.max(jnp.abs(x[:, o : o + c])) for o, c in zip(self.offsets, self.cols)])
-        )
+        views = self._views(x)
+        fast = _magnitude_bits(jnp.concatenate([jnp.max(jnp.abs(v), axis=(0, 2)) for v in views]))
 
-        def from_bits(x):
-            return jnp.stack(
-                [jnp.max(_magnitude_bits(x[:, o : o + c])) for o, c in zip(self.offsets, self.cols)]
-            )
+        def from_bits(views):
+            return jnp.concatenate([jnp.max(_magnitude_bits(v), axis=(0, 2)) for v in views])
 
-        return jax.lax.cond(jnp.all((fast >> nmant) > 0), lambda x: fast, from_bits, x)
+        return jax.lax.cond(jnp.all((fast >> nmant) > 0), lambda v: fast, from_bits, views)
 
     def needs_bits(self, exps: jax.Array) -> jax.Array:
         """Whether some leaf's pair peaks so close to the subnormal range that
@@ -155,45 +186,15 @@ class _Layout:
         nmant, bias, _, _ = _bit_layout(self.compute_dtype)
         return jnp.min(jnp.maximum(exps[0], exps[1])) < (1 - bias) + nmant + 2
 
-    def _ordered(
-        self, mine: jax.Array, other: jax.Array, first: jax.Array, leaf: int | None = None
-    ) -> tuple[jax.Array, jax.Array]:
+    def _ordered(self, mine: jax.Array, other: jax.Array, first: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The pair ``(a, b)`` (``(mine, other)`` where ``first``, else swapped), in the compute dtype.
 
-        Of one leaf's columns, or of all of them with ``leaf=None``. Chosen
-        elementwise, so that XLA fuses the choice into the consumer instead
-        of writing ``a`` and ``b`` out.
+        Chosen elementwise, so that XLA fuses the choice into the consumer
+        instead of writing ``a`` and ``b`` out.
         """
-        if leaf is not None:
-            o, c = self.offsets[leaf], self.cols[leaf]
-            mine, other = mine[:, o : o + c], other[:, o : o + c]
         a = jnp.where(first, mine, other).astype(self.compute_dtype)
         b = jnp.where(first, other, mine).astype(self.compute_dtype)
         return a, b
-
-    def _spread(self, v: jax.Array) -> jax.Array:
-        """Per-leaf values over the leaves' columns, shape ``(1, M)``.
-
-        XLA writes such a row out in full, as long as the buffer; only the
-        rare exact path (:meth:`needs_bits`) uses it, where one expression
-        over the whole buffer compiles much faster than one per leaf.
-        """
-        return base.repeat_segments(v, self.cols)[None, :]
-
-    def _normalized(
-        self, mine: jax.Array, other: jax.Array, first: jax.Array, exps: jax.Array, leaf: int | None = None
-    ) -> tuple[jax.Array, jax.Array]:
-        """``a' = a 2^-e_a`` and ``b' = b 2^-e_b`` (``exps`` from :meth:`exponents`), exact.
-
-        Largest entries in [0.5, 1). With a ``leaf``, that leaf's columns
-        scaled by its own scalars (the plain path: XLA fuses all of it into
-        the consumer); with ``leaf=None``, the whole buffer with subnormal
-        inputs read from their bits (the exact path, see :func:`_normalize`).
-        """
-        a, b = self._ordered(mine, other, first, leaf)
-        if leaf is not None:
-            return _times_pow2(a, -exps[0, leaf]), _times_pow2(b, -exps[1, leaf])
-        return _normalize(a, self._spread(-exps[0])), _normalize(b, self._spread(-exps[1]))
 
     def _by_precision(
         self, exact: Any, plain: Any, exps: jax.Array, mine: jax.Array, other: jax.Array
@@ -208,23 +209,29 @@ class _Layout:
     def dots(self, mine: jax.Array, other: jax.Array, first: jax.Array, exps: jax.Array) -> jax.Array:
         """``[a'.b', |a'|^2, |b'|^2]`` per leaf over the rows held, as two-floats: shape ``(2, 3, L)``.
 
-        Row 0 holds the high parts, row 1 the low parts. ``a'`` and ``b'`` as
-        in :meth:`_normalized` (exactly, from the bits, where
-        :meth:`needs_bits`); see :func:`_three_dots` for the sums.
+        Row 0 holds the high parts, row 1 the low parts. ``a' = a 2^-e_a`` and
+        ``b' = b 2^-e_b`` (``exps`` from :meth:`exponents`), exact: largest
+        entries in [0.5, 1); where :meth:`needs_bits`, subnormal inputs are
+        read from their bits (see :func:`_normalize`). See
+        :func:`_three_dots` for the sums, one batched sum per bucket.
         """
+        scales = [self._per_bucket(-exps[k]) for k in (0, 1)]
 
-        def plain(mine, other):  # each leaf by its own scalars: nothing is written out
-            n = len(self.cols)
-            return jnp.stack(
-                [_three_dots(*self._normalized(mine, other, first, exps, i)) for i in range(n)], -1
-            )
+        def run(scale):
+            def sums(mine, other):
+                a, b = self._ordered(mine, other, first)
+                pairs = zip(self._views(a), self._views(b), *scales)
+                return jnp.concatenate(
+                    [
+                        _three_dots_batched(_leaf_major(scale(x, ea)), _leaf_major(scale(y, eb)))
+                        for x, y, ea, eb in pairs
+                    ],
+                    axis=-1,
+                )
 
-        def exact(mine, other):
-            a1, b1 = self._normalized(mine, other, first, exps)
-            cols = zip(self.offsets, self.cols)
-            return jnp.stack([_three_dots(a1[:, o : o + c], b1[:, o : o + c]) for o, c in cols], -1)
+            return sums
 
-        return self._by_precision(exact, plain, exps, mine, other)
+        return self._by_precision(run(_normalize), run(_times_pow2), exps, mine, other)
 
     def combine(
         self, mine: jax.Array, other: jax.Array, first: jax.Array, dots: jax.Array, exps: jax.Array
@@ -253,23 +260,27 @@ class _Layout:
         # per leaf, two-floats: c_a = 2^(e_a - m) - r_a 2^(e_b - m), c_b = 2^(e_b - m) - r_b 2^(e_a - m)
         ca = _coefficient(sa, sb, _half_ratio(dot, na))
         cb = _coefficient(sb, sa, _half_ratio(dot, nb))
+        scalars = [self._per_bucket(v) for v in (-exps[0], -exps[1], top, *ca, *cb)]
 
-        def plain(mine, other):
-            out = jnp.zeros_like(mine)
-            for i, o in enumerate(self.offsets):  # each leaf by its own scalars, written in place
-                a1, b1 = self._normalized(mine, other, first, exps, i)
-                y = _combined(a1, b1, (ca[0][i], ca[1][i]), (cb[0][i], cb[1][i]))
-                out = jax.lax.dynamic_update_slice_in_dim(
-                    out, _times_pow2(y, top[i]).astype(self.dtype), o, axis=1
-                )
-            return out
+        def run(scale, unscale):
+            def pair_sum(mine, other):
+                a, b = self._ordered(mine, other, first)
+                out = []
+                for x, y, ea, eb, m, ca0, ca1, cb0, cb1 in zip(self._views(a), self._views(b), *scalars):
+                    z = _combined(scale(x, ea), scale(y, eb), (ca0, ca1), (cb0, cb1))
+                    out.append(unscale(z, m).astype(self.dtype))
+                return self._join(out)
 
-        def exact(mine, other):
-            a1, b1 = self._normalized(mine, other, first, exps)
-            y = _combined(a1, b1, tuple(map(self._spread, ca)), tuple(map(self._spread, cb)))
-            return _denormalize(y, self._spread(top)).astype(self.dtype)
+            return pair_sum
 
-        return self._by_precision(exact, plain, exps, mine, other)
+        return self._by_precision(
+            run(_normalize, _denormalize), run(_times_pow2, _times_pow2), exps, mine, other
+        )
+
+
+def _leaf_major(view: jax.Array) -> jax.Array:
+    """A bucket's view ``(rows, L_b, c_b)`` as ``(L_b, rows, c_b)``, for sums per leaf."""
+    return jnp.transpose(view, (1, 0, 2))
 
 
 def _combined(a1: jax.Array, b1: jax.Array, ca: Any, cb: Any) -> jax.Array:
@@ -344,6 +355,11 @@ def _three_dots(a: jax.Array, b: jax.Array) -> jax.Array:
     write the product arrays out first, and separate sums may be compiled
     in different orders.
     """
+    return _three_dots_batched(a[None], b[None])[..., 0]
+
+
+def _three_dots_batched(a: jax.Array, b: jax.Array) -> jax.Array:
+    """:func:`_three_dots` of each ``a[l], b[l]`` along the leading axis, in one reduction: ``(2, 3, L)``."""
     zero = jnp.zeros([], a.dtype)
     sa, sb = _split(a), _split(b)
 
@@ -355,9 +371,10 @@ def _three_dots(a: jax.Array, b: jax.Array) -> jax.Array:
         pad = [(0, 0)] * (parts[0].ndim - 1) + [(0, -parts[0].shape[-1] % _SUM_WIDTH)]
         grouped = tuple(jnp.pad(x, pad).reshape(*x.shape[:-1], -1, _SUM_WIDTH) for x in parts)
         parts = tuple(
-            x.reshape(-1) for x in jax.lax.reduce(grouped, (zero,) * 6, add, (grouped[0].ndim - 1,))
+            x.reshape(x.shape[0], -1)
+            for x in jax.lax.reduce(grouped, (zero,) * 6, add, (grouped[0].ndim - 1,))
         )
-    sums = jax.lax.reduce(parts, (zero,) * 6, add, tuple(range(parts[0].ndim)))
+    sums = jax.lax.reduce(parts, (zero,) * 6, add, tuple(range(1, parts[0].ndim)))
     return jnp.stack([jnp.stack(v) for v in zip(*(_two_sum(*sums[k : k + 2]) for k in (0, 2, 4)))])
 
 
@@ -486,8 +503,100 @@ def _coefficient(own: jax.Array, other: jax.Array, ratio: Any) -> tuple[jax.Arra
     return _two_sum(hi, t - ratio[1] * other)
 
 
-def _select(pred: jax.Array, xs: list[jax.Array], ys: list[jax.Array]) -> list[jax.Array]:
-    return [jnp.where(pred, x, y) for x, y in zip(xs, ys)]
+class _Tree(NamedTuple):
+    """What every stage of :func:`_run_tree` shares: the layouts and this worker's place."""
+
+    layouts: list[_Layout]
+    axis_name: base.AxisName
+    n: int
+    p: int
+    idx: jax.Array  # this worker's index
+
+    def pair(self, mine: list[jax.Array], other: list[jax.Array], first: jax.Array) -> list[jax.Array]:
+        """``A(a, b)`` of every layout, ``(a, b) = (mine, other)`` where ``first``, else swapped."""
+        out = []
+        for lay, x, y in zip(self.layouts, mine, other):
+            exps = _settle(lay.exponents(x, y, first))
+            out.append(lay.combine(x, y, first, lay.dots(x, y, first, exps), exps))
+        return out
+
+
+def _butterfly_levels(n: int, p: int) -> list[tuple[list[tuple[int, int]], np.ndarray, np.ndarray]]:
+    """Per level of the butterfly, with the fold first where ``n`` is no power of two:
+    ``(permutation, first, keep)``, the last two per worker: whether it holds the pair's
+    first argument, and whether it keeps the pair's result."""
+    r = n - p
+    workers = np.arange(n)
+    levels = []
+    if r:  # worker j < r swaps vectors with worker p + j and both compute A(x_j, x_{p+j})
+        fold = [(j, p + j) for j in range(r)] + [(p + j, j) for j in range(r)] + [(j, j) for j in range(r, p)]
+        levels.append((fold, workers < p, (workers < r) | (workers >= p)))
+    extras = [(e, e) for e in range(p, n)]
+    for s in range(p.bit_length() - 1):  # worker i < p pairs with i XOR 2**s, the lower first
+        pairs = [(i, i ^ (1 << s)) for i in range(p)] + extras
+        levels.append((pairs, ((workers >> s) & 1) == 0, np.ones(n, bool)))
+    return levels
+
+
+def _butterfly(tree: _Tree, bufs: list[jax.Array]) -> list[jax.Array]:
+    """Every level of the butterfly in one loop: the pair sum is compiled once, whatever ``n``.
+
+    Each level sends along its own permutation (a ``lax.switch`` on the
+    level picks the ``ppermute``) and computes the same pair sum; the
+    workers that do not keep a level's result (the fold's unpaired ones)
+    keep their vectors.
+    """
+    levels = _butterfly_levels(tree.n, tree.p)
+    if not levels:  # one worker
+        return bufs
+    first_of = jnp.asarray(np.stack([f for _, f, _ in levels]))
+    keep_of = jnp.asarray(np.stack([k for _, _, k in levels]))
+    sends = [
+        lambda b, perm=perm: comm.ppermute(b, tree.axis_name, perm, caller="adasum") for perm, _, _ in levels
+    ]
+
+    def level(s, bufs):
+        recv = sends[0](bufs) if len(levels) == 1 else jax.lax.switch(s, sends, bufs)
+        paired = tree.pair(bufs, recv, first_of[s, tree.idx])
+        return [jnp.where(keep_of[s, tree.idx], x, y) for x, y in zip(paired, bufs)]
+
+    if len(levels) == 1:
+        return level(0, bufs)
+    return jax.lax.fori_loop(0, len(levels), level, bufs)
+
+
+def _halving_level(tree: _Tree, bufs: list[jax.Array], s: int) -> list[jax.Array]:
+    """Level ``s`` of recursive halving.
+
+    Each worker keeps the half of the rows it owns, sends the other half to
+    its partner, and the partial dot products are summed over the group of
+    ``2**(s+1)`` workers that share a pair.
+    """
+    p, idx, axis_name, layouts = tree.p, tree.idx, tree.axis_name, tree.layouts
+    pairs = [(i, i ^ (1 << s)) for i in range(p)] + [(e, e) for e in range(p, tree.n)]
+    low = ((idx >> s) & 1) == 0  # this worker holds the first argument of A
+    half = bufs[0].shape[0] // 2
+    start = jnp.where(low, 0, half)
+    keep = [jax.lax.dynamic_slice_in_dim(x, start, half, axis=0) for x in bufs]
+    send = [jax.lax.dynamic_slice_in_dim(x, half - start, half, axis=0) for x in bufs]
+    recv = comm.ppermute(send, axis_name, pairs, caller="adasum")
+    num_groups = p >> (s + 1)
+    group = jnp.minimum(idx >> (s + 1), num_groups - 1)
+    onehot = (jnp.arange(num_groups) == idx >> (s + 1)) & (idx < p)
+    splits = np.cumsum([len(lay.cols) for lay in layouts])[:-1]
+    # The scale of each vector is the largest over the rows the group holds.
+    local = jnp.concatenate([lay.exponents(x, y, low) for lay, x, y in zip(layouts, keep, recv)], axis=1)
+    slots = jnp.where(onehot[:, None, None], local[None], jnp.full_like(local[None], _NO_EXPONENT))
+    top = jax.lax.dynamic_index_in_dim(comm.pmax(slots, axis_name, caller="adasum"), group, keepdims=False)
+    exps = [_settle(e) for e in jnp.split(top, splits, axis=1)]
+    # The partial dot products (two-floats) travel one slot per worker, so the
+    # psum adds only zeros to them; each group adds its members' in a fixed order.
+    partial = [lay.dots(x, y, low, e) for lay, x, y, e in zip(layouts, keep, recv, exps)]
+    slots = jnp.where((jnp.arange(p) == idx)[:, None, None, None], jnp.concatenate(partial, -1)[None], 0.0)
+    width = 1 << (s + 1)
+    members = jax.lax.dynamic_slice_in_dim(comm.psum(slots, axis_name, caller="adasum"), group * width, width)
+    dots = jnp.split(_sum_two_floats(members), splits, axis=-1)  # (2, 3, L) each
+    return [lay.combine(x, y, low, d, e) for lay, x, y, d, e in zip(layouts, keep, recv, dots, exps)]
 
 
 def _run_tree(
@@ -499,7 +608,6 @@ def _run_tree(
 ) -> list[jax.Array]:
     """AdaSum of ``leaves`` over the workers; the result is replicated (invariant)."""
     p = _power_of_two_below(n)
-    r = n - p
     rounds = p.bit_length() - 1
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
@@ -507,80 +615,24 @@ def _run_tree(
     layouts = [_Layout([leaves[i] for i in ids], p) for ids in groups.values()]
     bufs = [lay.pack([leaves[i] for i in ids]) for lay, ids in zip(layouts, groups.values())]
     bufs = comm.to_varying(bufs, axis_name)
-    idx = comm.axis_index(axis_name, caller="adasum")
-    primary = idx < p
-
-    def pair(mine, other, first):
-        """``A(a, b)`` of every layout, ``(a, b) = (mine, other)`` where ``first``, else swapped."""
-        exps = [_settle(lay.exponents(x, y, first)) for lay, x, y in zip(layouts, mine, other)]
-        dots = [lay.dots(x, y, first, e) for lay, x, y, e in zip(layouts, mine, other, exps)]
-        return [lay.combine(x, y, first, d, e) for lay, x, y, d, e in zip(layouts, mine, other, dots, exps)]
-
-    # Fold the workers beyond the largest power of two into partners: worker
-    # j < r swaps vectors with worker p + j and both compute A(x_j, x_{p+j}).
-    if r:
-        fold = [(j, p + j) for j in range(r)] + [(p + j, j) for j in range(r)]
-        fold += [(j, j) for j in range(r, p)]
-        recv = comm.ppermute(bufs, axis_name, fold, caller="adasum")
-        folded = pair(bufs, recv, primary)
-        bufs = _select((idx < r) | ~primary, folded, bufs)
-
-    extras = [(e, e) for e in range(p, n)]
-    for s in range(rounds):
-        pairs = [(i, i ^ (1 << s)) for i in range(p)] + extras
-        low = ((idx >> s) & 1) == 0  # this worker holds the first argument of A
-        if method == "butterfly":
-            recv = comm.ppermute(bufs, axis_name, pairs, caller="adasum")
-            bufs = pair(bufs, recv, low)
-        else:
-            # Recursive halving: keep the half of the rows this worker owns,
-            # send the other half to the partner, and sum the partial dot
-            # products over the group of 2**(s+1) workers that share a pair.
-            half = bufs[0].shape[0] // 2
-            start = jnp.where(low, 0, half)
-            keep = [jax.lax.dynamic_slice_in_dim(x, start, half, axis=0) for x in bufs]
-            send = [jax.lax.dynamic_slice_in_dim(x, half - start, half, axis=0) for x in bufs]
-            recv = comm.ppermute(send, axis_name, pairs, caller="adasum")
-            num_groups = p >> (s + 1)
-            group = idx >> (s + 1)
-            onehot = (jnp.arange(num_groups) == group) & primary
-            splits = np.cumsum([len(lay.cols) for lay in layouts])[:-1]
-
-            def over_group(local, reduce, fill):
-                slots = jnp.where(onehot[:, None, None], local[None], jnp.full_like(local[None], fill))
-                out = reduce(slots, axis_name, caller="adasum")
-                mine = jax.lax.dynamic_index_in_dim(out, jnp.minimum(group, num_groups - 1), keepdims=False)
-                return jnp.split(mine, splits, axis=1)
-
-            # The scale of each vector is the largest over the rows the group holds.
-            local = jnp.concatenate(
-                [lay.exponents(x, y, low) for lay, x, y in zip(layouts, keep, recv)], axis=1
-            )
-            exps = [_settle(e) for e in over_group(local, comm.pmax, _NO_EXPONENT)]
-            # The partial dot products (two-floats) travel one slot per worker, so the
-            # psum adds only zeros to them; each group adds its members' in a fixed order.
-            partial = [lay.dots(x, y, low, e) for lay, x, y, e in zip(layouts, keep, recv, exps)]
-            slots = jnp.where(
-                (jnp.arange(p) == idx)[:, None, None, None], jnp.concatenate(partial, -1)[None], 0.0
-            )
-            width = 1 << (s + 1)
-            members = jax.lax.dynamic_slice_in_dim(
-                comm.psum(slots, axis_name, caller="adasum"),
-                jnp.minimum(group, num_groups - 1) * width,
-                width,
-            )
-            dots = jnp.split(_sum_two_floats(members), splits, axis=-1)  # (2, 3, L) each
-            bufs = [lay.combine(x, y, low, d, e) for lay, x, y, d, e in zip(layouts, keep, recv, dots, exps)]
-
-    # Every primary worker now holds the result (butterfly: all of it, the
-    # same bits on each; halving: the 1/p slice of rows it owns). An
-    # all-gather of one row per worker assembles it, typed replicated.
+    tree = _Tree(layouts, axis_name, n, p, comm.axis_index(axis_name, caller="adasum"))
     if method == "butterfly":
-        rows = [jax.lax.dynamic_index_in_dim(x, jnp.minimum(idx, p - 1), keepdims=False) for x in bufs]
+        bufs = _butterfly(tree, bufs)
+        # Every primary worker holds all of the result, the same bits on each.
+        rows = [jax.lax.dynamic_index_in_dim(x, jnp.minimum(tree.idx, p - 1), keepdims=False) for x in bufs]
         order = np.arange(p)
     else:
+        if n > p:  # the fold, as the butterfly's first level
+            fold, first, keep = _butterfly_levels(n, p)[0]
+            recv = comm.ppermute(bufs, axis_name, fold, caller="adasum")
+            folded = tree.pair(bufs, recv, jnp.asarray(first)[tree.idx])
+            bufs = [jnp.where(jnp.asarray(keep)[tree.idx], x, y) for x, y in zip(folded, bufs)]
+        for s in range(rounds):
+            bufs = _halving_level(tree, bufs, s)
+        # Every primary worker holds the 1/p slice of rows it owns.
         rows = [x[0] for x in bufs]
         order = np.array([_bit_reverse(i, rounds) for i in range(p)], dtype=np.int32)
+    # An all-gather of one row per worker assembles the result, typed replicated.
     gathered = comm.all_gather(rows, axis_name, caller="adasum")
     out: list[Any] = [None] * len(leaves)
     for lay, ids, g in zip(layouts, groups.values(), gathered):
@@ -692,6 +744,13 @@ def adasum(
       All leaves of one dtype travel in one buffer, so the collective count
       does not grow with the number of leaves. Output updates are
       replicated. No state.
+
+    Compilation:
+      The arithmetic runs on whole buffers, one operation per set of leaves
+      of equal size (per-leaf scalars broadcast, per-leaf sums batched), and
+      the butterfly's levels run in one loop: the program does not grow with
+      the number of leaves, nor (``"butterfly"``) with the number of workers.
+      ``"halving"`` compiles each of its ``log2 p`` levels, whose shapes differ.
 
     Sharded parameters:
       Needs whole leaves: the coefficients come from each leaf's dot product,
