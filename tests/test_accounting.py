@@ -301,6 +301,42 @@ def test_scan_multiplies_and_while_is_flagged():
     assert cost.sent_bytes == pytest.approx(RING * 4 * D)
 
 
+def _levels_in_a_loop(from_state: bool):
+    """A ``fori_loop`` over the leaves whose iteration ``i`` psums the first ``i + 1`` of them (a
+    switch on the counter); with ``from_state``, the first ``i + 1 + count % 2`` (at most all)."""
+
+    def init(params):
+        return jnp.zeros([], jnp.int32)
+
+    def update(g, count, p=None, **kw):
+        leaves, treedef = jax.tree.flatten(g)
+
+        def send(k):
+            return lambda xs: [comm.psum(x, "data") if j <= k else x for j, x in enumerate(xs)]
+
+        def body(i, xs):
+            k = jnp.minimum(i + count % 2, len(leaves) - 1) if from_state else i
+            return jax.lax.switch(k, [send(k) for k in range(len(leaves))], xs)
+
+        return treedef.unflatten(jax.lax.fori_loop(0, len(leaves), body, leaves)), count + 1
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def test_a_loop_counter_resolves_its_branches_at_every_iteration():
+    sizes = [SIZES[k] for k in sorted(SHAPES)]  # leaves order: b, c, w
+    cost = communication_cost(_levels_in_a_loop(False), PARAMS, num_workers=N)
+    # Iteration i sends leaves 0..i: b three times, c twice, w once.
+    even = sum((len(sizes) - j) * s for j, s in enumerate(sizes))
+    assert cost.exact and not cost.step_dependent and not cost.notes
+    assert cost.sent_bytes == pytest.approx(RING * 4 * even)
+    # Shifted by the state's counter on odd steps: b and c three times, w twice.
+    cost = communication_cost(_levels_in_a_loop(True), PARAMS, num_workers=N)
+    odd = 3 * sizes[0] + 3 * sizes[1] + 2 * sizes[2]
+    assert cost.exact and cost.step_dependent
+    assert cost.sent_bytes == pytest.approx(RING * 4 * (even + odd) / 2)
+
+
 def test_several_axes_and_permutes():
     # Hierarchical: reduce over "local" (4 workers) then over "node" (2 workers).
     tx = optax.chain(jd.all_reduce(axis_name="local"), jd.all_reduce(axis_name="node"))

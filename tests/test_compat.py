@@ -70,7 +70,7 @@ def test_data_parallel_step_is_the_same_on_explicit_and_auto_meshes(name):
 
 
 def test_scan_num_consts_reads_this_jax():
-    """The constants of a scan are found on every supported release's parameters."""
+    """The constants and carries of a scan are found on every supported release's parameters."""
 
     def f(c, xs, k, k2):
         body = lambda c, x: ((c[0] + x * k, c[1] * k2[0].sum()), c[0])  # noqa: E731
@@ -80,3 +80,4 @@ def test_scan_num_consts_reads_this_jax():
     (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     # Two constants (k and k2[0]; k2[1] is unused and dropped), then two carries and one xs.
     assert compat.scan_num_consts(eqn) == len(eqn.invars) - 3 == 2
+    assert compat.scan_operand_counts(eqn) == (2, 2)

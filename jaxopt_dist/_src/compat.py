@@ -24,15 +24,20 @@ import jax
 
 def scan_num_consts(eqn: Any) -> int:
     """The number of leading operands of a ``scan`` equation that are loop constants."""
+    return scan_operand_counts(eqn)[0]
+
+
+def scan_operand_counts(eqn: Any) -> tuple[int, int]:
+    """``(constants, carries)``: how many of a ``scan`` equation's leading operands are each."""
     params = eqn.params
     if "num_consts" in params:
-        return int(params["num_consts"])
+        return int(params["num_consts"]), int(params["num_carry"])
     # JAX >= 0.11: ``ft_in`` is a flat tree (consts, carry, xs) whose parts list their leaves.
     parts = getattr(params.get("ft_in"), "elts", None)
     if parts is not None and len(parts) == 3:
         sizes = [len(list(getattr(part, "vals", ()))) for part in parts]
         if sum(sizes) == len(eqn.invars):
-            return sizes[0]
+            return sizes[0], sizes[1]
     raise NotImplementedError(
         "jaxopt_dist cannot read this JAX version's scan parameters "
         f"(jax {jax.__version__}: {sorted(params)}); please report it."

@@ -42,6 +42,7 @@ from jaxopt_dist._src.training import layout
 _SMALL = 16  # non-float state leaves (and values) of at most this many elements are simulated
 _AUTO_STEPS = 256  # steps simulated by steps=None when the cost depends on the step
 _MAX_AUTO_STEPS = 2048  # ... doubled up to this while no period shows
+_MAX_UNROLLED_SCAN = 64  # scans this short with a known carry are walked iteration by iteration
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
@@ -202,53 +203,83 @@ class _Walker:
     # -- walking -----------------------------------------------------------
 
     def walk(
-        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], path: tuple[str, ...]
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        path: tuple[str, ...],
+        taint: Sequence[bool] = (),
     ) -> tuple[list[Any], list[Collective]]:
-        """(output values, collectives) of ``jaxpr`` run on ``consts`` and ``args``."""
+        """(output values, collectives) of ``jaxpr`` run on ``consts`` and ``args``.
+
+        ``taint`` marks the arguments computed from the state (all others are
+        constants of the step): a branch picked by a value computed from a
+        tainted one may differ from step to step (see ``resolved_branches``).
+        """
+        outs, found, _ = self._walk(jaxpr, consts, args, path, taint)
+        return outs, found
+
+    def _walk(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        path: tuple[str, ...],
+        taint: Sequence[bool],
+    ) -> tuple[list[Any], list[Collective], list[bool]]:
+        """:meth:`walk`, and per output whether it is computed from a tainted argument."""
         env: dict[Any, Any] = {**dict(zip(jaxpr.constvars, consts)), **dict(zip(jaxpr.invars, args))}
+        tainted = {v for v, t in zip(jaxpr.invars, taint) if t}
 
         def read(v):
             if isinstance(v, jcore.Literal):
                 return v.val
             return env.get(v, _UNKNOWN)
 
+        def is_tainted(v):
+            return not isinstance(v, jcore.Literal) and v in tainted
+
         found: list[Collective] = []
         for i in self._relevant(jaxpr):
             eqn = jaxpr.eqns[i]
-            outs, sub = self._visit(eqn, [read(v) for v in eqn.invars], (*path, f"{eqn.primitive.name}#{i}"))
+            tin = [is_tainted(v) for v in eqn.invars]
+            here = (*path, f"{eqn.primitive.name}#{i}")
+            outs, sub = self._visit(eqn, [read(v) for v in eqn.invars], here, tin)
             found.extend(sub)
             for j, v in enumerate(eqn.outvars):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = outs[j] if outs is not None else _UNKNOWN
-        return [read(v) for v in jaxpr.outvars], found
+                    if any(tin):
+                        tainted.add(v)
+        return [read(v) for v in jaxpr.outvars], found, [is_tainted(v) for v in jaxpr.outvars]
 
     def collect(self, jaxpr: Any, consts: Sequence[Any], path: tuple[str, ...] = ()) -> list[Collective]:
         """The collectives of ``jaxpr`` run on unknown arguments."""
         return self.walk(jaxpr, consts, [_UNKNOWN] * len(jaxpr.invars), path)[1]
 
-    def _visit(self, eqn: Any, ins: list[Any], here: tuple[str, ...]) -> Found:
+    def _visit(self, eqn: Any, ins: list[Any], here: tuple[str, ...], tin: list[bool]) -> Found:
         """One equation: its outputs where known, and the collectives it runs."""
         name = eqn.primitive.name
         if name in costs.PRIMITIVE_KINDS:
             return None, [self._collective(eqn, here)]
         if name == "cond":
-            return self._cond(eqn, ins, here)
+            return self._cond(eqn, ins, here, tin)
         if name == "scan":
-            return None, self._scan(eqn, ins, here)
+            return None, self._scan(eqn, ins, here, tin)
         if name == "while":
             return None, self._while(eqn, here)
         called = _called_jaxpr(eqn)
         if called is not None:
-            return self._call(eqn, called, ins, here)
+            return self._call(eqn, called, ins, here, tin)
         subs = list(jcore.jaxprs_in_params(eqn.params))
         if subs:  # an unfamiliar higher-order primitive: inventory only
             return None, [c for j, s in enumerate(subs) for c in self.collect(*_as_jaxpr(s), (*here, str(j)))]
         return (self._evaluate(eqn, ins) if self.evaluate else None), []
 
-    def _call(self, eqn: Any, called: Any, ins: list[Any], path: tuple[str, ...]) -> Found:
+    def _call(self, eqn: Any, called: Any, ins: list[Any], path: tuple[str, ...], tin: list[bool]) -> Found:
         sub_jaxpr, sub_consts = _as_jaxpr(called)
         if len(sub_jaxpr.invars) == len(ins) and len(sub_jaxpr.outvars) == len(eqn.outvars):
-            return self.walk(sub_jaxpr, sub_consts, ins, path)
+            return self.walk(sub_jaxpr, sub_consts, ins, path, tin)
         return None, self.collect(sub_jaxpr, sub_consts, path)
 
     def _evaluate(self, eqn: Any, ins: list[Any]) -> list[Any] | None:
@@ -271,14 +302,14 @@ class _Walker:
             self.value_cache[key] = (eqn, outs)  # the equation kept alive, so that its id stays its own
         return outs
 
-    def _cond(self, eqn: Any, ins: list[Any], path: tuple[str, ...]) -> Found:
+    def _cond(self, eqn: Any, ins: list[Any], path: tuple[str, ...], tin: list[bool]) -> Found:
         branches = eqn.params["branches"]
         index, operands = ins[0], ins[1:]
         if self.evaluate and index is not _UNKNOWN:
             b = int(np.clip(int(np.asarray(index)), 0, len(branches) - 1))
-            if len(branches) > 1 and not isinstance(eqn.invars[0], jcore.Literal):
+            if len(branches) > 1 and tin[0]:  # picked by the state: may differ from step to step
                 self.resolved_branches = True
-            return self.walk(*_as_jaxpr(branches[b]), operands, (*path, f"branch{b}"))
+            return self.walk(*_as_jaxpr(branches[b]), operands, (*path, f"branch{b}"), tin[1:])
         if not self.evaluate:
             return None, [
                 c
@@ -286,7 +317,8 @@ class _Walker:
                 for c in self.collect(*_as_jaxpr(br), (*path, f"branch{b}"))
             ]
         results = [
-            self.walk(*_as_jaxpr(br), operands, (*path, f"branch{b}"))[1] for b, br in enumerate(branches)
+            self.walk(*_as_jaxpr(br), operands, (*path, f"branch{b}"), tin[1:])[1]
+            for b, br in enumerate(branches)
         ]
         # Unresolved at evaluation time: charge the most expensive branch.
         if len({tuple(c.path for c in f) for f in results}) > 1:
@@ -294,12 +326,27 @@ class _Walker:
         costs_per_branch = [sum(c.sent_bytes() for c in found) for found in results]
         return None, results[int(np.argmax(costs_per_branch))] if results else []
 
-    def _scan(self, eqn: Any, ins: list[Any], path: tuple[str, ...]) -> list[Collective]:
+    def _scan(self, eqn: Any, ins: list[Any], path: tuple[str, ...], tin: list[bool]) -> list[Collective]:
         body, consts = _as_jaxpr(eqn.params["jaxpr"])
         length = int(eqn.params["length"])
-        num_consts = compat.scan_num_consts(eqn)
-        args = list(ins[:num_consts]) + [_UNKNOWN] * (len(body.invars) - num_consts)
-        _, found = self.walk(body, consts, args, path)
+        num_consts, num_carry = compat.scan_operand_counts(eqn)
+        carry = list(ins[num_consts : num_consts + num_carry])
+        rest = [_UNKNOWN] * (len(body.invars) - num_consts - num_carry)
+        if self.evaluate and length <= _MAX_UNROLLED_SCAN and any(x is not _UNKNOWN for x in carry):
+            # A short loop whose carry is partly known (a ``fori_loop``'s counter): walked
+            # iteration by iteration, so that a branch picked by the counter is resolved.
+            found: list[Collective] = []
+            carry_taint = list(tin[num_consts : num_consts + num_carry])
+            for i in range(length):
+                args = [*ins[:num_consts], *carry, *rest]
+                taint = [*tin[:num_consts], *carry_taint, *tin[num_consts + num_carry :]]
+                outs, sub, out_taint = self._walk(body, consts, args, (*path, f"iteration{i}"), taint)
+                found.extend(sub)
+                carry = outs[:num_carry]
+                carry_taint = [a or b for a, b in zip(carry_taint, out_taint[:num_carry])]
+            return found
+        args = list(ins[:num_consts]) + [_UNKNOWN] * (num_carry + len(rest))
+        _, found = self.walk(body, consts, args, path, tin)
         return [dataclasses.replace(c, multiplier=c.multiplier * length) for c in found]
 
     def _while(self, eqn: Any, path: tuple[str, ...]) -> list[Collective]:
@@ -359,7 +406,8 @@ def _step(walker: _Walker, traced: trace.Traced, state: list[Any]) -> tuple[list
     """One update from the known ``state``: (the known new state, the collectives it ran)."""
     num_params = len(traced.jaxpr.invars) - traced.num_grads - len(state)
     args = [_UNKNOWN] * traced.num_grads + list(state) + [_UNKNOWN] * num_params
-    outs, found = walker.walk(traced.jaxpr, traced.consts, args, ())
+    taint = [False] * traced.num_grads + [True] * len(state) + [False] * num_params
+    outs, found = walker.walk(traced.jaxpr, traced.consts, args, (), taint)
     known = [o if (not m and o is not _UNKNOWN) else _UNKNOWN for o, m in zip(outs, traced.state_mask)]
     return known, found
 
