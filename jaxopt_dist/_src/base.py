@@ -167,6 +167,40 @@ def split_flat(flat: jax.Array, leaves: Any, treedef: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+class LeafGroups:
+    """Leaves that share a key (by default their shape and dtype), to work on stacked.
+
+    Per-leaf work that a transform would otherwise write once per leaf (a DCT,
+    a top-k per tile, a Newton-Schulz iteration) runs once per group on the
+    group's leaves stacked along a new leading axis: the compiled program
+    grows with the number of distinct keys, not with the number of leaves.
+
+    Attributes:
+      groups: per group, the indices of its leaves, in leaf order (groups in
+        the order of their first leaf).
+    """
+
+    def __init__(self, leaves: Any, key: Any = None):
+        key = key or (lambda x: (tuple(np.shape(x)), jnp.result_type(x)))
+        groups: dict[Any, list[int]] = {}
+        for i, x in enumerate(leaves):
+            groups.setdefault(key(x), []).append(i)
+        self.groups = list(groups.values())
+        self.count = len(leaves)
+
+    def stack(self, leaves: Any) -> list[jax.Array]:
+        """Per group, its leaves stacked: ``(leaves in the group, *shape)``."""
+        return [jnp.stack([leaves[i] for i in ids]) for ids in self.groups]
+
+    def unstack(self, stacked: Any) -> list[Any]:
+        """Inverse of :meth:`stack`: the leaves in leaf order."""
+        out: list[Any] = [None] * self.count
+        for ids, x in zip(self.groups, stacked):
+            for j, i in enumerate(ids):
+                out[i] = x[j]
+        return out
+
+
 # ----------------------------------------------------------------------------
 # Shared helpers with plain names (one definition each, used across modules).
 

@@ -90,22 +90,29 @@ def _layout(shape: tuple[int, ...], chunk: int, topk: int) -> _Layout:
     return _Layout(rows, cols, b1, b2, min(topk, b1 * b2))
 
 
-def _encode(x: jax.Array, lay: _Layout) -> jax.Array:
-    """Leaf -> DCT coefficients per tile, ``(tiles, b1 * b2)``."""
-    c1 = jnp.asarray(dct_matrix(lay.b1), x.dtype)
-    c2 = jnp.asarray(dct_matrix(lay.b2), x.dtype)
-    t = x.reshape(lay.rows // lay.b1, lay.b1, lay.cols // lay.b2, lay.b2)
-    y = jnp.einsum("ij,ajbk,lk->abil", c1, t, c2, precision=_HIGHEST)
-    return y.reshape(lay.tiles, lay.b1 * lay.b2)
+def _to_tiles(x: jax.Array, lay: _Layout) -> jax.Array:
+    """Leaves of one shape, stacked along a leading axis, -> their tiles ``(tiles, b1, b2)``, leaf after leaf."""
+    t = x.reshape(-1, lay.rows // lay.b1, lay.b1, lay.cols // lay.b2, lay.b2)
+    return t.transpose(0, 1, 3, 2, 4).reshape(-1, lay.b1, lay.b2)
 
 
-def _decode(y: jax.Array, lay: _Layout, shape: tuple[int, ...]) -> jax.Array:
-    """Inverse of :func:`_encode`: ``C1^T Y C2`` per tile, back to the leaf's shape."""
-    c1 = jnp.asarray(dct_matrix(lay.b1), y.dtype)
-    c2 = jnp.asarray(dct_matrix(lay.b2), y.dtype)
-    t = y.reshape(lay.rows // lay.b1, lay.cols // lay.b2, lay.b1, lay.b2)
-    x = jnp.einsum("ji,abjl,lk->aibk", c1, t, c2, precision=_HIGHEST)
-    return x.reshape(shape)
+def _from_tiles(t: jax.Array, lay: _Layout, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`_to_tiles`, back to ``shape`` (the stacked leaves' shape)."""
+    x = t.reshape(-1, lay.rows // lay.b1, lay.cols // lay.b2, lay.b1, lay.b2)
+    return x.transpose(0, 1, 3, 2, 4).reshape(shape)
+
+
+def _encode(t: jax.Array) -> jax.Array:
+    """Tiles ``(T, b1, b2)`` -> their DCT coefficients ``C_1 B C_2^T``, ``(T, b1 * b2)``."""
+    b1, b2 = t.shape[1:]
+    c1, c2 = jnp.asarray(dct_matrix(b1), t.dtype), jnp.asarray(dct_matrix(b2), t.dtype)
+    return jnp.einsum("ij,tjk,lk->til", c1, t, c2, precision=_HIGHEST).reshape(-1, b1 * b2)
+
+
+def _decode(y: jax.Array, b1: int, b2: int) -> jax.Array:
+    """Inverse of :func:`_encode`: ``C_1^T Y C_2`` per tile, ``(T, b1, b2)``."""
+    c1, c2 = jnp.asarray(dct_matrix(b1), y.dtype), jnp.asarray(dct_matrix(b2), y.dtype)
+    return jnp.einsum("ji,tjl,lk->tik", c1, y.reshape(-1, b1, b2), c2, precision=_HIGHEST)
 
 
 def _select(y: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -119,14 +126,55 @@ def _scatter(tiles: int, width: int, idx: jax.Array, values: jax.Array) -> jax.A
     return jnp.zeros((tiles, width), values.dtype).at[rows, idx].set(values, unique_indices=True)
 
 
+class _Stack(NamedTuple):
+    """Leaves of one shape and dtype stacked (their momentum), and how they are tiled."""
+
+    m: jax.Array  # (leaves, *shape)
+    lay: _Layout
+
+
+def _cut(per_tile_group: list[jax.Array], tiles: base.LeafGroups, stacks: list[_Stack]) -> list[jax.Array]:
+    """Per stack, its tiles' rows of the arrays computed per tile shape (``tiles``' groups)."""
+    out: list[Any] = [None] * tiles.count
+    for ids, x in zip(tiles.groups, per_tile_group):
+        start = 0
+        for i in ids:
+            count = stacks[i].lay.tiles * stacks[i].m.shape[0]
+            out[i] = x[start : start + count]
+            start += count
+    return out
+
+
+def _choose(tiles: base.LeafGroups, stacks: list[_Stack]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per tile shape, the chosen coefficients (values, indices) to send; per stack, the tiles they decode to."""
+    payload, kept = [], []
+    for ids in tiles.groups:
+        lay = stacks[ids[0]].lay
+        values, idx = _select(_encode(jnp.concatenate([_to_tiles(stacks[i].m, stacks[i].lay) for i in ids])), lay.k)
+        kept.append(_decode(_scatter(values.shape[0], lay.b1 * lay.b2, idx, values), lay.b1, lay.b2))
+        payload += [values, idx.astype(index_dtype(lay.b1 * lay.b2))]
+    return payload, _cut(kept, tiles, stacks)
+
+
+def _means(tiles: base.LeafGroups, stacks: list[_Stack], gathered: list[jax.Array]) -> list[jax.Array]:
+    """Per stack, the decoded tiles of the mean of the chosen coefficients (see :func:`_mean_of_chosen`)."""
+    out = []
+    for j, ids in enumerate(tiles.groups):
+        lay = stacks[ids[0]].lay
+        out.append(_decode(_mean_of_chosen(gathered[2 * j + 1], gathered[2 * j], lay), lay.b1, lay.b2))
+    return _cut(out, tiles, stacks)
+
+
 def _mean_of_chosen(gathered_idx: jax.Array, gathered_val: jax.Array, lay: _Layout) -> jax.Array:
     """Per coefficient, the mean of the values of the workers that chose it (0 where none did).
 
-    Workers are added in worker order, so every worker gets the same bits.
+    ``gathered_idx`` and ``gathered_val`` are ``(n, tiles, k)``, tiles of one
+    leaf or of several stacked. Workers are added in worker order, so every
+    worker gets the same bits.
     """
-    n = gathered_idx.shape[0]
+    n, tiles = gathered_idx.shape[:2]
     width = lay.b1 * lay.b2
-    rows = jnp.arange(lay.tiles)[:, None]
+    rows = jnp.arange(tiles)[:, None]
 
     def body(w, carry):
         total, count = carry
@@ -135,7 +183,7 @@ def _mean_of_chosen(gathered_idx: jax.Array, gathered_val: jax.Array, lay: _Layo
         count = count.at[rows, idx].add(1, unique_indices=True)
         return total, count
 
-    zeros = (jnp.zeros((lay.tiles, width), gathered_val.dtype), jnp.zeros((lay.tiles, width), jnp.int32))
+    zeros = (jnp.zeros((tiles, width), gathered_val.dtype), jnp.zeros((tiles, width), jnp.int32))
     total, count = jax.lax.fori_loop(0, n, body, zeros)
     safe = jnp.maximum(count, 1).astype(total.dtype)
     return jnp.where(count > 0, total / safe, jnp.zeros_like(total))
@@ -267,28 +315,32 @@ def decoupled_momentum(
         beta = base.resolve(decay, state.count)
         g_leaves, treedef = jax.tree.flatten(updates)
         m_leaves = treedef.flatten_up_to(state.momentum)
-        lays = [_layout(tuple(g.shape), chunk, topk) for g in g_leaves]
-        new_m, payload = [], []
-        for g, m, lay in zip(g_leaves, m_leaves, lays):
-            d = m.dtype
-            m = jnp.asarray(beta, d) * m + jnp.asarray(lr, d) * g.astype(d)
-            values, idx = _select(_encode(m, lay), lay.k)
-            kept = _scatter(lay.tiles, lay.b1 * lay.b2, idx, values)
-            new_m.append(m - _decode(kept, lay, m.shape))
-            payload += [values, idx.astype(index_dtype(lay.b1 * lay.b2))]
+        # Leaves of one shape and dtype are stacked, and the tiles of one shape and dtype
+        # concatenated over those stacks: the DCT, the top-k and the mean run once per tile shape.
+        leaves = base.LeafGroups(m_leaves)
+        stacks = []
+        for g, m in zip(leaves.stack(g_leaves), leaves.stack(m_leaves)):
+            m = jnp.asarray(beta, m.dtype) * m + jnp.asarray(lr, m.dtype) * g.astype(m.dtype)
+            stacks.append(_Stack(m, _layout(tuple(m.shape[1:]), chunk, topk)))
+        tiles = base.LeafGroups(stacks, key=lambda st: (st.lay.b1, st.lay.b2, st.lay.k, st.m.dtype))
+        payload, kept = _choose(tiles, stacks)
         gathered = comm.all_gather_packed(payload, axis_name, caller="decoupled_momentum")
+        means = _means(tiles, stacks, gathered)
+        new_m = [st.m - _from_tiles(k, st.lay, st.m.shape) for st, k in zip(stacks, kept)]
+        lr_step = [
+            -jnp.asarray(lr, st.m.dtype) * _from_tiles(jnp.sign(x), st.lay, st.m.shape)
+            for st, x in zip(stacks, means)
+        ]
         out = []
-        p_leaves: list[Any] = treedef.flatten_up_to(params) if use_wd else [None] * len(g_leaves)
         wd = base.resolve(weight_decay, state.count) if use_wd else 0.0
-        for j, (g, m, lay, p) in enumerate(zip(g_leaves, new_m, lays, p_leaves)):
-            mean = _mean_of_chosen(gathered[2 * j + 1], gathered[2 * j], lay)
-            step = -jnp.asarray(lr, m.dtype) * jnp.sign(_decode(mean, lay, m.shape))
+        p_leaves: list[Any] = treedef.flatten_up_to(params) if use_wd else [None] * len(g_leaves)
+        for g, step, p in zip(g_leaves, leaves.unstack(lr_step), p_leaves):
             if use_wd:
-                step = step - jnp.asarray(lr, m.dtype) * jnp.asarray(wd, m.dtype) * p.astype(m.dtype)
+                step = step - jnp.asarray(lr, step.dtype) * jnp.asarray(wd, step.dtype) * p.astype(step.dtype)
             out.append(step.astype(g.dtype))
         return jax.tree.unflatten(treedef, out), DecoupledMomentumState(
             count=jnp.asarray(optax.safe_increment(state.count)),
-            momentum=jax.tree.unflatten(treedef, new_m),
+            momentum=jax.tree.unflatten(treedef, leaves.unstack(new_m)),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
