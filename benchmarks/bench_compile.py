@@ -154,7 +154,8 @@ def rows(n: int, params: Any) -> dict[str, Row]:
             make = lambda m=m, s=snapshots: m.make(s)  # noqa: E731
         else:
             make = m.make
-        out[name] = Row(make, m.per_worker_params, m.bf16)
+        # MuLoCo's inner optimizer is optax.contrib.muon: its baseline is the Muon step.
+        out[name] = Row(make, m.per_worker_params, m.bf16, baseline="muon" if name == "muloco" else "adam")
     adam = lambda: optax.adamw(1e-3, b2=0.95)  # noqa: E731
     out["muon"] = Row(
         lambda: jd.muon(0.02, num_workers=n, muon_weight_dimension_numbers=muon_dims), baseline="muon"

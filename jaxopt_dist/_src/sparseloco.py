@@ -143,6 +143,17 @@ def _pack_bits(values: jax.Array, width: int) -> jax.Array:
     return jnp.sum(bits.reshape(-1, 8) * weights, axis=1, dtype=jnp.uint32).astype(jnp.uint8)
 
 
+def _pack_rows(values: jax.Array, width: int) -> jax.Array:
+    """:func:`_pack_bits` of each row of ``values`` ``(rows, count)``: uint8 ``(rows, bytes)``."""
+    return jax.vmap(lambda v: _pack_bits(v, width))(values)
+
+
+def _unpack_rows(packed: jax.Array, count: int, width: int) -> jax.Array:
+    """Inverse of :func:`_pack_rows` on a batch: uint8 ``(n, rows, bytes)`` -> int32 ``(n, rows, count)``."""
+    n, rows = packed.shape[:2]
+    return _unpack_bits(packed.reshape(n * rows, -1), count, width).reshape(n, rows, count)
+
+
 def _unpack_bits(packed: jax.Array, count: int, width: int) -> jax.Array:
     """Inverse of :func:`_pack_bits` on a batch: uint8 ``(n, bytes)`` -> int32 ``(n, count)``."""
     n = packed.shape[0]
@@ -364,27 +375,22 @@ def statistical_quantize(
         flags = [f and math.prod(g.shape) > 0 for f, g in zip(_mask_flags(mask, updates, name), leaves)]
         beta = base.resolve(error_decay, state.count)
         spread = base.resolve(quantization_range, state.count)
-        payload, new_errors = [], []
-        for g, e, keep in zip(leaves, errors, flags):
-            if not keep:
-                new_errors.append(e)
-                continue
-            e = _decayed(beta, e, g)
-            codes, book = statistical_codes(e.reshape(_rows(e.shape, row_wise)), bits, spread)
-            new_errors.append(e - _decode(book, codes).reshape(e.shape))
-            payload += [_pack_bits(codes, bits), book]
-        gathered = iter(comm.all_gather_packed(payload, axis_name, caller=name))
-        dense = comm.reduce([g for g, keep in zip(leaves, flags) if not keep], axis_name, caller=name)
-        dense = iter(dense)
-        means = []
-        for g, e, keep in zip(leaves, errors, flags):
-            if not keep:
-                means.append(next(dense))
-                continue
-            rows, m = _rows(g.shape, row_wise)
-            codes = _unpack_bits(next(gathered), rows * m, bits).reshape(n, rows, m)
-            mean = jnp.sum(_decode(next(gathered), codes), axis=0) / jnp.asarray(n, e.dtype)
-            means.append(mean.reshape(g.shape))
+        # Leaves of one shape and dtype are quantized together, stacked (one codebook per row).
+        quantized = [i for i, keep in enumerate(flags) if keep]
+        groups = base.LeafGroups([errors[i] for i in quantized])
+        decayed = [
+            _decayed(beta, e, g)
+            for e, g in zip(
+                groups.stack([errors[i] for i in quantized]), groups.stack([leaves[i] for i in quantized])
+            )
+        ]
+        payload, sent = _quantized_rows(decayed, bits, spread, row_wise)
+        gathered = comm.all_gather_packed(payload, axis_name, caller=name)
+        dense = iter(comm.reduce([g for g, keep in zip(leaves, flags) if not keep], axis_name, caller=name))
+        new_errors, means = list(errors), [None if keep else next(dense) for keep in flags]
+        decoded = _mean_of_rows(gathered, decayed, n, bits, row_wise)
+        for i, e, mean in zip(quantized, groups.unstack(sent), groups.unstack(decoded)):
+            new_errors[i], means[i] = e, mean
         if requantize_mean:
             means = _requantized_leaves(means, flags, bits, spread, row_wise)
         out = [x.astype(g.dtype) for x, g in zip(means, leaves)]
@@ -415,19 +421,49 @@ def statistical_quantize(
     return base.declare_two_stage(tx, first, second_stage)
 
 
+def _quantized_rows(
+    stacks: list[jax.Array], bits: int, spread: Any, row_wise: bool
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Per stack of leaves ``(L, *shape)``: the message (packed codes ``(L, bytes)`` and codebooks
+    ``(L, rows, 2^bits)``) and what remains of the stack once its quantization is taken out."""
+    payload, rest = [], []
+    for e in stacks:
+        rows, m = _rows(e.shape[1:], row_wise)
+        codes, book = statistical_codes(e.reshape(-1, m), bits, spread)
+        rest.append(e - _decode(book, codes).reshape(e.shape))
+        payload += [_pack_rows(codes.reshape(e.shape[0], -1), bits), book.reshape(e.shape[0], rows, -1)]
+    return payload, rest
+
+
+def _mean_of_rows(
+    gathered: list[jax.Array], stacks: list[jax.Array], n: int, bits: int, row_wise: bool
+) -> list[jax.Array]:
+    """Per stack, the mean over the ``n`` workers of their decoded messages (:func:`_quantized_rows`)."""
+    out = []
+    for j, e in enumerate(stacks):
+        rows, m = _rows(e.shape[1:], row_wise)
+        codes = _unpack_rows(gathered[2 * j], rows * m, bits).reshape(n, e.shape[0], rows, m)
+        book = gathered[2 * j + 1]
+        out.append((jnp.sum(_decode(book, codes), axis=0) / jnp.asarray(n, book.dtype)).reshape(e.shape))
+    return out
+
+
 def _requantized_leaves(
     means: list[jax.Array], flags: list[bool], bits: int, spread: Any, row_wise: bool
 ) -> list[jax.Array]:
     """``Q(mean)`` of each flagged leaf, a value every worker holds (its codebook summed in a fixed
-    order), in the leaf's shape; the other leaves as they are."""
-    out = []
-    for x, keep in zip(means, flags):
-        if keep:
-            codes, book = statistical_codes(
-                x.reshape(_rows(x.shape, row_wise)), bits, spread, replicated=True
-            )
-            x = _decode(book, codes).reshape(x.shape)
-        out.append(x)
+    order), in the leaf's shape; the other leaves as they are. Leaves of one shape and dtype are
+    quantized together, stacked."""
+    quantized = [i for i, keep in enumerate(flags) if keep]
+    groups = base.LeafGroups([means[i] for i in quantized])
+    out = list(means)
+    stacked = []
+    for x in groups.stack([means[i] for i in quantized]):
+        m = _rows(x.shape[1:], row_wise)[1]
+        codes, book = statistical_codes(x.reshape(-1, m), bits, spread, replicated=True)
+        stacked.append(_decode(book, codes).reshape(x.shape))
+    for i, x in zip(quantized, groups.unstack(stacked)):
+        out[i] = x
     return out
 
 
@@ -488,30 +524,34 @@ def _tiling(shape: tuple[int, ...], chunk: int, topk: int) -> _Tiling:
 
 
 def _to_tiles(x: jax.Array, lay: _Tiling) -> jax.Array:
-    """Leaf -> ``(tiles, b1 * b2)``, tiles in row-major order, entries row-major in a tile."""
+    """Leaves of one shape stacked ``(L, *shape)`` -> ``(L * tiles, b1 * b2)``, tiles in row-major
+    order leaf after leaf, entries row-major in a tile."""
     (g1, g2), (b1, b2) = lay.grid, lay.block
-    return x.reshape(g1, b1, g2, b2).transpose(0, 2, 1, 3).reshape(lay.tiles, lay.size)
+    return x.reshape(-1, g1, b1, g2, b2).transpose(0, 1, 3, 2, 4).reshape(-1, lay.size)
 
 
 def _from_tiles(t: jax.Array, lay: _Tiling, shape: tuple[int, ...]) -> jax.Array:
+    """Inverse of :func:`_to_tiles`, to ``shape`` (the stacked leaves' shape)."""
     (g1, g2), (b1, b2) = lay.grid, lay.block
-    return t.reshape(g1, g2, b1, b2).transpose(0, 2, 1, 3).reshape(shape)
+    return t.reshape(-1, g1, g2, b1, b2).transpose(0, 1, 3, 2, 4).reshape(shape)
 
 
 def _chosen_mean(idx: jax.Array, values: jax.Array, lay: _Tiling) -> jax.Array:
     """``(tiles, b1 b2)``: per entry the mean of the values of the workers that chose it, else 0.
 
-    ``idx`` and ``values`` are ``(n, tiles, k)``; workers are added one after
-    the other in worker order, so every worker gets the same bits.
+    ``idx`` and ``values`` are ``(n, tiles, k)`` (the tiles of one leaf or of
+    several stacked); workers are added one after the other in worker order,
+    so every worker gets the same bits.
     """
-    tile = jnp.arange(lay.tiles)[:, None]
-    dense = jnp.zeros((lay.tiles, lay.size), values.dtype)
+    n, tiles = idx.shape[:2]
+    tile = jnp.arange(tiles)[:, None]
+    dense = jnp.zeros((tiles, lay.size), values.dtype)
 
     def add(w, sums):
         at = (tile, idx[w])
         return sums[0].at[at].add(values[w], unique_indices=True), sums[1].at[at].add(1, unique_indices=True)
 
-    total, chosen = jax.lax.fori_loop(0, idx.shape[0], add, (dense, jnp.zeros(dense.shape, jnp.int32)))
+    total, chosen = jax.lax.fori_loop(0, n, add, (dense, jnp.zeros(dense.shape, jnp.int32)))
     return jnp.where(chosen > 0, total / jnp.maximum(chosen, 1).astype(total.dtype), jnp.zeros_like(total))
 
 
@@ -520,11 +560,16 @@ def _median_clip(values: jax.Array) -> jax.Array:
 
     The median of an even count is the lower middle value (``torch.median``).
     """
-    n = values.shape[0]
-    norms = jnp.sqrt(jnp.sum(values.reshape(n, -1) ** 2, axis=1))
-    median = jnp.sort(norms)[(n - 1) // 2]
+    return _median_clip_stacked(values[:, None])[:, 0]
+
+
+def _median_clip_stacked(values: jax.Array) -> jax.Array:
+    """:func:`_median_clip` of each leaf of ``values`` ``(n, L, ...)``, a median per leaf."""
+    n, count = values.shape[:2]
+    norms = jnp.sqrt(jnp.sum(values.reshape(n, count, -1) ** 2, axis=2))
+    median = jnp.sort(norms, axis=0)[(n - 1) // 2][None]
     factor = jnp.where(norms > median, median / jnp.where(norms > 0, norms, 1), jnp.ones_like(norms))
-    return values * factor.reshape((n,) + (1,) * (values.ndim - 1))
+    return values * factor.reshape((n, count) + (1,) * (values.ndim - 2))
 
 
 def _whole_on_model_axes(tree: Any) -> Any:
@@ -665,60 +710,62 @@ def chunked_top_k(
             count=jnp.zeros([], jnp.int32), error=_init_error(params, [True] * len(jax.tree.leaves(params)))
         )
 
-    def select(e, g, lay, spread):
-        """(new error, message arrays) of one leaf's corrected buffer ``e``."""
+    def select(e, g_dtype, lay, spread):
+        """(new error, message arrays) of a stack of leaves' corrected buffers ``e`` ``(L, *shape)``."""
+        count = e.shape[0]
         t = _whole_on_model_axes(_to_tiles(e, lay))
         _, idx = jax.lax.top_k(jnp.abs(t), lay.k)
         values = jnp.take_along_axis(t, idx, axis=1)
         idx, values = _whole_on_model_axes((idx, values))
-        message = [_pack_bits(idx, lay.index_bits)] if lay.index_bits else []
+        message = [_pack_rows(idx.reshape(count, -1), lay.index_bits)] if lay.index_bits else []
         if bits is None:
-            message.append(values.astype(g.dtype))
-            sent = values.astype(g.dtype).astype(e.dtype)
+            message.append(values.astype(g_dtype).reshape(count, -1))
+            sent = values.astype(g_dtype).astype(e.dtype)
         else:
-            codes, book = statistical_codes(values.reshape(1, -1), bits, spread)
-            message += [_pack_bits(codes, bits), book[0]]
+            codes, book = statistical_codes(values.reshape(count, -1), bits, spread)
+            message += [_pack_rows(codes, bits), book]
             sent = _decode(book, codes).reshape(values.shape)
-        t = _whole_on_model_axes(t.at[jnp.arange(lay.tiles)[:, None], idx].add(-sent, unique_indices=True))
+        t = _whole_on_model_axes(t.at[jnp.arange(t.shape[0])[:, None], idx].add(-sent, unique_indices=True))
         return _from_tiles(t, lay, e.shape), message
 
-    def receive(gathered, g, e, lay, n):
-        """The combined update of one leaf from every worker's message."""
-        count = lay.tiles * lay.k
+    def receive(gathered, e, lay, n):
+        """The combined update of a stack of leaves ``e`` ``(L, *shape)`` from every worker's message."""
+        count, per_leaf = e.shape[0], lay.tiles * lay.k
         if lay.index_bits:
-            idx = _unpack_bits(next(gathered), count, lay.index_bits)
+            idx = _unpack_rows(next(gathered), per_leaf, lay.index_bits)
         else:
-            idx = jnp.zeros((n, count), jnp.int32)
+            idx = jnp.zeros((n, count, per_leaf), jnp.int32)
         if bits is None:
             values = next(gathered).astype(e.dtype)
         else:
-            codes = _unpack_bits(next(gathered), count, bits)
+            codes = _unpack_rows(next(gathered), per_leaf, bits)
             values = _decode(next(gathered), codes)
-        values = values.reshape(n, lay.tiles, lay.k)
+        values = values.reshape(n, count, lay.tiles, lay.k)
         if clip_to_median_norm:
-            values = _median_clip(values)
-        mean = _chosen_mean(idx.reshape(n, lay.tiles, lay.k), values, lay)
-        return _from_tiles(mean, lay, g.shape).astype(g.dtype)
+            values = _median_clip_stacked(values)
+        shape = (n, count * lay.tiles, lay.k)
+        return _from_tiles(_chosen_mean(idx.reshape(shape), values.reshape(shape), lay), lay, e.shape)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
         n, leaves, treedef, errors = _worker_leaves(updates, state.error, axis_name, name)
         beta = base.resolve(error_decay, state.count)
         spread = base.resolve(quantization_range, state.count)
-        lays = [None if g.size == 0 else _tiling(tuple(g.shape), chunk, topk) for g in leaves]
-        payload, new_errors = [], []
-        for g, e, lay in zip(leaves, errors, lays):
-            if lay is None:
-                new_errors.append(e)
-                continue
-            e, message = select(_decayed(beta, e, g), g, lay, spread)
-            new_errors.append(e)
+        # Leaves of one shape and dtypes are compressed together, stacked.
+        sent = [i for i, g in enumerate(leaves) if g.size]
+        groups = base.LeafGroups(sent, key=lambda i: (leaves[i].shape, leaves[i].dtype, errors[i].dtype))
+        stacks = groups.stack([_decayed(beta, errors[i], leaves[i]) for i in sent])
+        lays = [_tiling(tuple(e.shape[1:]), chunk, topk) for e in stacks]
+        payload, rest = [], []
+        for e, lay, ids in zip(stacks, lays, groups.groups):
+            e, message = select(e, leaves[sent[ids[0]]].dtype, lay, spread)
+            rest.append(e)
             payload += message
         gathered = iter(comm.all_gather_packed(payload, axis_name, caller=name))
-        out = [
-            jnp.zeros_like(g) if lay is None else receive(gathered, g, e, lay, n)
-            for g, e, lay in zip(leaves, errors, lays)
-        ]
+        means = [receive(gathered, e, lay, n) for e, lay in zip(stacks, lays)]
+        new_errors, out = list(errors), [jnp.zeros_like(g) for g in leaves]
+        for i, e, mean in zip(sent, groups.unstack(rest), groups.unstack(means)):
+            new_errors[i], out[i] = e, mean.astype(leaves[i].dtype)
         return jax.tree.unflatten(treedef, out), ChunkedTopKState(
             count=jnp.asarray(optax.safe_increment(state.count)),
             error=jax.tree.unflatten(treedef, new_errors),
