@@ -333,10 +333,12 @@ def waiting_line(lighthouse: str, min_islands: int, since: float) -> str:
 
 
 class QuorumWatch:
-    """A transport whose waits for a quorum print :func:`waiting_line` every ``every`` seconds on stderr."""
+    """A transport whose waits for a quorum print :func:`waiting_line` every ``every`` seconds to ``out``
+    (default: stderr)."""
 
-    def __init__(self, inner: Any, lighthouse: str, min_islands: int, every: float = 5.0):
+    def __init__(self, inner: Any, lighthouse: str, min_islands: int, every: float = 5.0, out: Any = None):
         self.inner, self.lighthouse, self.min_islands, self.every = inner, lighthouse, min_islands, every
+        self.out = out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -346,7 +348,9 @@ class QuorumWatch:
 
         def report() -> None:
             while not done.wait(self.every):
-                print(waiting_line(self.lighthouse, self.min_islands, since), file=sys.stderr, flush=True)
+                line = waiting_line(self.lighthouse, self.min_islands, since)
+                if not done.is_set():  # (the quorum may have formed while the lighthouse was asked)
+                    print(line, file=self.out or sys.stderr, flush=True)
 
         threading.Thread(target=report, daemon=True).start()
         try:
