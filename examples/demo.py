@@ -654,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump([{k: v for k, v in r.items() if k != "losses"} for r in rows], f, indent=2)
+    print(f"wrote {os.path.join(args.out, 'results.json')}")
     return 0
 
 
