@@ -12,7 +12,8 @@ Every step waits for its loss, as the driver does.
 Columns: milliseconds per step over the loop; the ratio to no checkpoint in
 the same run; the time ``save`` blocks the loop (it copies the arrays off
 the devices and, when the previous write is still going, waits for it);
-the final ``wait_until_finished``.
+the final ``wait_until_finished``. A progress bar on stderr moves after each
+timed loop (the configuration, the round, the last loss).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--tx", default="top_k", choices=("top_k", "diloco", "powersgd"))
     p.add_argument("--quick", action="store_true", help="30 steps, one round")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.rounds = 30, 1
@@ -61,7 +63,7 @@ def run(step, state, data, every: int, steps: int, directory: str | None) -> dic
     start = time.perf_counter()
     for t in range(steps):
         params, opt_state, metrics = step(params, opt_state, data(t))
-        float(metrics["loss"])
+        loss = float(metrics["loss"])
         if mngr is not None and (t + 1) % every == 0:
             t0 = time.perf_counter()
             mngr.save(t + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
@@ -71,7 +73,8 @@ def run(step, state, data, every: int, steps: int, directory: str | None) -> dic
     if mngr is not None:
         mngr.wait_until_finished()
         mngr.close()
-    return {"ms": 1e3 * loop / steps, "blocked": 1e3 * blocked, "final": 1e3 * (time.perf_counter() - t0)}
+    final = 1e3 * (time.perf_counter() - t0)
+    return {"ms": 1e3 * loop / steps, "blocked": 1e3 * blocked, "final": final, "loss": loss}
 
 
 def main(argv=None) -> int:
@@ -98,12 +101,21 @@ def main(argv=None) -> int:
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
     configs = [0] + [int(n) for n in args.every.split(",")]
     best: dict[int, dict[str, float]] = {}
-    for _ in range(args.rounds):
+    from tqdm import tqdm
+
+    # The bar moves after each timed loop (never inside one): the configuration, round and last loss.
+    bar = tqdm(total=args.rounds * len(configs) * args.steps, unit="step", disable=args.no_progress)
+    for r in range(args.rounds):
         for every in configs:
+            what = f"{args.tx}, checkpoint {'every ' + str(every) if every else 'never'}, round {r + 1}"
+            bar.set_postfix_str(what)
             with tempfile.TemporaryDirectory() as tmp:
                 got = run(step, state, data, every, args.steps, os.path.join(tmp, "ckpt") if every else None)
             if every not in best or got["ms"] < best[every]["ms"]:
                 best[every] = got
+            bar.set_postfix_str(f"{what}, loss {got['loss']:.4f}", refresh=False)
+            bar.update(args.steps)
+    bar.close()
     base = best[0]["ms"]
     print(
         f"{args.tx}, {args.devices} workers, {nbytes / 1e6:.2f} MB of params + state per checkpoint, "

@@ -31,9 +31,13 @@ replica-axis bytes; Streaming DiLoCo (4 fragments, 4-bit) within 3% at
 the example's defaults, fixed before the run; nothing is tuned on the
 validation split.
 
-Run: ``python benchmarks/bench_lm.py`` (``--quick`` for a smoke run). The
-full run took 28 to 53 minutes on a shared 2-core machine, depending on its
-load; ``--json PATH`` also writes every run's record (validation curves
+Run: ``python benchmarks/bench_lm.py`` (every row; ``--quick`` for a smoke
+run). The six rows of the first table,
+``--methods dense,diloco50,diloco100,streaming,powersgd,demo``, took 28 to 53
+minutes on a shared 2-core machine, depending on its load (a method's 3
+seeds about 5 to 10 minutes); all 22 rows take several hours. A progress bar
+per method and seed shows the step and the last loss (``--no-progress``:
+none); ``--json PATH`` also writes every run's record (validation curves
 every ``--eval-every`` steps, training losses; rewritten after each method,
 so a run cut short keeps the methods it finished).
 
@@ -42,7 +46,10 @@ replicas under ``jax.vmap(axis_name="data")`` with unsharded parameters and
 every seed batched into the same program (``examples/lm.py``'s
 ``VmapTrainer``, which matches the mesh's numbers to float rounding; its
 memory column is one replica's parameters and optimizer state, unsharded).
-The few-million-parameter table of RESULTS.md came from::
+``--one-device`` is meant for a GPU: with ``JAX_PLATFORMS=cuda`` on a machine
+without one, the script stops before building anything, naming the platform
+asked for and what JAX found. The few-million-parameter table of RESULTS.md
+came from::
 
     JAX_PLATFORMS=cuda python benchmarks/bench_lm.py --one-device --steps 4000 \
         --dim 256 --depth 6 --context 256 --batch 64 --lr 2e-3 --eval-every 500 \
@@ -144,10 +151,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}"
     )
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = ap.parse_args(argv)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     if unknown := [m for m in names if m not in METHODS]:
         ap.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    lm.require_platform()  # JAX_PLATFORMS=cuda without a GPU: a clear error, before anything is built
     if args.quick:
         args.steps, args.seeds, args.dim, args.depth, args.context, args.batch = 16, 1, 32, 2, 32, 8
         args.eval_windows, args.eval_every = 16, 8
@@ -168,9 +177,9 @@ def main(argv=None) -> int:
     for name in names:
         _, tx_name, overrides = METHODS[name]
         trainer = (lm.VmapTrainer if args.one_device else lm.Trainer)(
-            tx_name, cfg, settings_for(base, overrides, args.quick)
+            tx_name, cfg, settings_for(base, overrides, args.quick), label=name
         )
-        runs = trainer.run_seeds(corpus, range(args.seeds), progress=False)
+        runs = trainer.run_seeds(corpus, range(args.seeds), progress=not args.no_progress)
         rows[name] = runs
         bpb = [r["evals"][-1]["val_bpb"] for r in runs]
         # --one-device: one program steps every seed at once (its first, compiling step untimed)

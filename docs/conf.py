@@ -5,8 +5,10 @@ Build (from the repository root): ``pip install -e ".[docs]"`` then
 
 The notebooks live in ``notebooks/`` at the repository root; the build copies
 them into ``docs/notebooks/`` (git-ignored) and myst-nb executes them, so the
-site shows their outputs. The API pages of ``docs/api/generated/`` (git-ignored)
-are written by autosummary from the lists in ``docs/api/*.rst``.
+site shows their outputs. Pages link them where they are in a checkout
+(``../notebooks/X.ipynb``); the build points those links at the rendered
+copies. The API pages of ``docs/api/generated/`` (git-ignored) are written by
+autosummary from the lists in ``docs/api/*.rst``.
 
 ``JAXOPT_DIST_DOCS_EXECUTE`` sets myst-nb's execution mode: ``cache`` by default (outputs kept
 in ``docs/_build/.jupyter_cache`` until a notebook's code changes), ``force``, or ``off`` for a
@@ -220,6 +222,18 @@ def _copy_notebooks(app, config=None):
             shutil.copyfile(src, dst)
 
 
+def _notebook_links(app, docname, source):
+    """Links written for the checkout (``../notebooks/X.ipynb`` from docs/) lead to the site's rendered copy.
+
+    The Markdown pages link the notebooks where they are in a checkout (``notebooks/`` at the
+    repository root), so the links work when the pages are read there; in the site, the same link
+    names the copy in ``docs/notebooks/``, which myst-nb renders.
+    """
+    here = (DOCS / docname).parent
+    checkout, site = os.path.relpath(NOTEBOOKS, here), os.path.relpath(DOCS / "notebooks", here)
+    source[0] = source[0].replace(f"]({checkout}/", f"]({site}/")
+
+
 # -- HTML -------------------------------------------------------------------------------------------
 html_theme = "sphinx_book_theme"
 html_title = f"jaxopt_dist {release}"
@@ -237,6 +251,7 @@ copybutton_prompt_is_regexp = True
 
 def setup(app):
     app.connect("config-inited", _copy_notebooks)
+    app.connect("source-read", _notebook_links)
     app.connect("autodoc-skip-member", _skip_namedtuple_fields)
     app.connect("missing-reference", _resolve_internal)
     app.connect("autodoc-process-docstring", _data_docstring)

@@ -9,7 +9,10 @@ DiLoCo, SparseLoCo, NoLoCo, DES-LOC...), the compression
 ratio against a dense float32 all-reduce, the measured time per step (and its
 ratio to the dense row's), and the alpha-beta projection of the communication
 time per step at 64 workers on a 10 Gbit/s network. The loss curves are
-written as PNGs.
+written as PNGs, with ``results.json``, to ``--out`` (a new temporary
+directory by default, printed). A progress bar shows the method, its step and
+its last loss. All 32 methods at the defaults take about 8 minutes on 2 CPU
+cores, ``--methods dense,powersgd_r2`` about half a minute.
 
 Run ``python examples/demo.py`` (all methods, defaults) or, for example,
 ``python examples/demo.py --methods dense,powersgd_r2 --steps 200``. With
@@ -26,6 +29,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -392,6 +396,7 @@ def train(name: str, method: Method, *, model, params0, data, args, mesh, progre
             loss = float(metrics["loss"])  # blocks: the time covers the whole step
             times.append(time.perf_counter() - t0)
             losses.append(loss)
+            progress.set_postfix_str(f"{name} step {t + 1}/{args.steps} loss {loss:.4f}", refresh=False)
             progress.update(1)
             if phase is not None and (t + 1) % ckpt.every == 0 and t + 1 < stop:
                 ckpt.save(phase, t + 1, (params, opt_state), {"losses": losses, "times": times})
@@ -516,19 +521,19 @@ FAMILIES = {
         "adasum",
         "adasum_delta",
     ),
-    "low communication": (
+    "low communication: outer steps": (
         "diloco",
         "streaming_diloco",
         "sparseloco",
         "muloco",
         "noloco",
-        "choco",
-        "decoupled_momentum",
-        "onebit_adam",
-        "zero_one_adam",
         "desloc",
     ),
+    "low communication: every step": ("choco", "decoupled_momentum", "onebit_adam", "zero_one_adam"),
 }
+# Curves of one panel differ in line style as well as colour, and the first are drawn widest, so that
+# a curve that lies on another (bf16 on bf16_loss_scale, both on dense) still shows.
+LINE_STYLES = ("-", "--", "-.", ":")
 
 
 def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
@@ -552,21 +557,25 @@ def plot(rows: list[dict[str, Any]], out_dir: str) -> list[str]:
     for kind in ("step", "bytes"):
         cols = 2 if len(families) > 1 else 1
         nrows = (len(families) + cols - 1) // cols
-        fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 4 * nrows), squeeze=False)
+        fig, axes = plt.subplots(nrows, cols, figsize=(8 * cols, 4 * nrows), squeeze=False)
         for ax, (family, names) in zip(axes.flat, families.items()):
-            for name in (["dense"] if "dense" in by_name and "dense" not in names else []) + names:
+            for k, name in enumerate(
+                (["dense"] if "dense" in by_name and "dense" not in names else []) + names
+            ):
                 r = by_name[name]
                 y = smooth(r["losses"])
                 x = np.arange(len(r["losses"]))[len(r["losses"]) - len(y) :]
                 if kind == "bytes":
                     x = (x + 1) * r["bytes_per_step"] / 2**20
-                style = {"color": "k", "ls": "--", "lw": 1, "zorder": 5} if name == "dense" else {}
+                style = {"ls": LINE_STYLES[k % len(LINE_STYLES)], "lw": max(0.8, 2.8 - 0.4 * k)}
+                if name == "dense":  # the reference: thin, black, on top
+                    style = {"color": "k", "ls": "--", "lw": 1, "zorder": 5}
                 ax.plot(x, y, label=name, **style)
             ax.set(title=family, yscale="log", ylabel="training loss (moving avg)")
             ax.set(xlabel="step" if kind == "step" else "MiB sent per worker")
             if kind == "bytes":
                 ax.set_xscale("log")
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         for ax in list(axes.flat)[len(families) :]:
             ax.axis("off")
         fig.tight_layout()
@@ -586,7 +595,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16, help="examples per worker per step")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="out", help="folder for the PNGs and results.json")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="folder for the PNGs and results.json (default: a new temporary directory)",
+    )
     ap.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -620,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tqdm(total=args.steps * len(names), desc="training", unit="step") as progress:
         for name in names:
-            progress.set_postfix_str(name)
+            progress.set_postfix_str(f"{name} (compiling)")
             rows.append(
                 train(
                     name,
@@ -635,11 +648,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     add_time_ratios(rows)
     print_table(rows)
+    args.out = args.out or tempfile.mkdtemp(prefix="jaxopt_dist-demo-")
     os.makedirs(args.out, exist_ok=True)
     for path in plot(rows, args.out):
         print(f"wrote {path}")
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump([{k: v for k, v in r.items() if k != "losses"} for r in rows], f, indent=2)
+    print(f"wrote {os.path.join(args.out, 'results.json')}")
     return 0
 
 

@@ -5,7 +5,9 @@ scikit-learn's digits; every ``--sync-every`` steps the islands merge their
 pseudo-gradients over torchft. Kill one (SIGKILL), stop it (SIGSTOP), start it
 again: the others go on, and the restarted island heals from a live peer.
 
-Start torchft's lighthouse first, then the islands (each in its own shell)::
+Start torchft's lighthouse first, then at least ``--min-islands`` islands (2 by
+default: a round needs that many, and a lone island only waits), each in its
+own shell::
 
     python examples/islands.py --serve-lighthouse 127.0.0.1:29510 --min-islands 2
     python examples/islands.py --island-id 0 --lighthouse 127.0.0.1:29510 --log island0.jsonl
@@ -21,15 +23,27 @@ and leaves out one whose heartbeats stopped (after ``--heartbeat_timeout_ms``).
 Below it, an island that asks a little late (it just healed) keeps being left
 out.
 
-``--log`` gets one JSON line per synchronisation (``island``, ``round``,
+An island waiting for a quorum prints one line every 5 s on stderr
+(``waiting for islands: have 1 of 2 needed since 12:00:00``, the counts as the
+lighthouse gives them); torchft's own log lines (one per quorum retry, twice a
+second) are shown only with ``--verbose`` (they are torchft's Rust logging,
+``RUST_LOG``; without ``--verbose`` it is set to ``warn`` unless already set).
+
+``--log`` gets one JSON line per synchronisation, and nothing else (``island``, ``round``,
 ``step``, ``fragment``, ``participants``, ``weights``, ``healed``,
 ``redone``, ``anchor_sha256``, ``agreed_sha256``, ``val_loss``, ``time``;
 the anchor is the island's own row under ``--eager``, where the islands
 agree on the merged mean instead) and a final
 ``{"island": ..., "done": true, "val_loss": ..., "steps": ..., "sharded_leaves": ...}``
-(the anchor's leaves split over the island's devices). An island
+(the anchor's leaves split over the island's devices); the same lines go to
+stdout. An island
 that cannot go on (no quorum within ``--quorum-timeout``) writes
 ``{"island": ..., "error": ...}`` and exits with status 3.
+
+``--steps-file PATH`` lets a driver (``examples/islands_chaos.py``) lengthen
+the run: the island trains until the larger of ``--steps`` and the count
+written in PATH, re-read at every step, so that islands can be kept going
+until a restarted one has joined.
 """
 
 from __future__ import annotations
@@ -37,10 +51,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from typing import Any, NamedTuple
 
 EXIT_NO_QUORUM = 3
@@ -99,7 +116,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="an island of several processes shards the MLP's matrices (and their state) over its "
         "devices instead of replicating them",
     )
-    p.add_argument("--log", default=None, help="append one JSON line per synchronisation here")
+    p.add_argument("--log", default=None, help="append one JSON line per synchronisation here (only those)")
+    p.add_argument(
+        "--steps-file",
+        default=None,
+        metavar="PATH",
+        help="train until the larger of --steps and the step count written in PATH (re-read every step)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show torchft's own log lines (one per quorum retry) instead of a waiting line every 5 s",
+    )
     p.add_argument("--anchors-dir", default=None, help="save the anchor after each round here (round<R>.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per inner step")
     p.add_argument(
@@ -274,6 +302,74 @@ class TimedStep:
         return out
 
 
+# torchft's lighthouse says why no quorum formed yet on its /status page, e.g. "New quorum not ready,
+# only have 1 participants, need min_replicas 2 [...]", or "... need at least half of 3 healthy workers".
+_NOT_READY = re.compile(
+    r"only have (\d+) participants, need (?:min_replicas (\d+)|at least half of (\d+) healthy workers)"
+)
+
+
+def quorum_counts(status: str) -> tuple[int, int] | None:
+    """``(have, need)`` from the text of the lighthouse's status page, or None if it does not say."""
+    m = _NOT_READY.search(status)
+    if m is None:
+        return None
+    have, min_replicas, healthy = m.groups()
+    return int(have), int(min_replicas) if min_replicas else int(healthy) // 2 + 1
+
+
+def waiting_line(lighthouse: str, min_islands: int, since: float) -> str:
+    """One plain line on an island waiting for a quorum: how many islands it has, how many it needs, since when."""
+    url = (lighthouse if "://" in lighthouse else f"http://{lighthouse}") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as page:
+            counts = quorum_counts(page.read().decode(errors="replace"))
+    except OSError:
+        counts = None
+    when = time.strftime("%H:%M:%S", time.localtime(since))
+    if counts is None:
+        return f"waiting for islands: need {min_islands} (--min-islands) since {when}"
+    return f"waiting for islands: have {counts[0]} of {counts[1]} needed since {when}"
+
+
+class QuorumWatch:
+    """A transport whose waits for a quorum print :func:`waiting_line` every ``every`` seconds to ``out``
+    (default: stderr)."""
+
+    def __init__(self, inner: Any, lighthouse: str, min_islands: int, every: float = 5.0, out: Any = None):
+        self.inner, self.lighthouse, self.min_islands, self.every = inner, lighthouse, min_islands, every
+        self.out = out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def quorum(self) -> bool:
+        done, since = threading.Event(), time.time()
+
+        def report() -> None:
+            while not done.wait(self.every):
+                line = waiting_line(self.lighthouse, self.min_islands, since)
+                if not done.is_set():  # (the quorum may have formed while the lighthouse was asked)
+                    print(line, file=self.out or sys.stderr, flush=True)
+
+        threading.Thread(target=report, daemon=True).start()
+        try:
+            return self.inner.quorum()
+        finally:
+            done.set()
+
+
+def target_steps(args: argparse.Namespace) -> int:
+    """``--steps``, or the larger count a driver wrote into ``--steps-file`` (unreadable: ``--steps``)."""
+    if args.steps_file is None:
+        return args.steps
+    try:
+        with open(args.steps_file) as f:
+            return max(args.steps, int(f.read()))
+    except (OSError, ValueError):
+        return args.steps
+
+
 def run_island(args: argparse.Namespace) -> int:
     import jax
     import numpy as np
@@ -355,6 +451,8 @@ def run_island(args: argparse.Namespace) -> int:
             stop_seconds=args.stop_seconds,
             on_fault=lambda kind, round_: log(fault=kind, fault_round=round_),
         )
+    if not args.verbose:
+        transport = QuorumWatch(transport, args.lighthouse, args.min_islands)
     island = islands.island(step, transport, island_id=args.island_id, rule="mean", on_sync=on_sync)
     if args.timings:
         island.step = TimedStep(island.step)
@@ -367,7 +465,7 @@ def run_island(args: argparse.Namespace) -> int:
         start, slept, taken = time.perf_counter(), 0.0, 0
         if args.timings:
             island.step.seconds = 0.0  # the warm-up's compile is not an inner step
-        while t < args.steps:
+        while t < target_steps(args):
             batch = setup.batch_for(args.island_id, t)
             params, opt_state, _ = island(params, opt_state, batch)
             taken += 1
@@ -396,6 +494,8 @@ def run_island(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not args.verbose:  # torchft's Rust logging: one INFO line per quorum retry otherwise
+        os.environ.setdefault("RUST_LOG", "warn")
     if args.serve_lighthouse is not None:
         serve_lighthouse(args)
         return 0

@@ -86,6 +86,25 @@ def test_reference_pages_are_in_the_toctree():
             assert re.search(rf"^   {path.stem}$", index, flags=re.MULTILINE), path.name
 
 
+def test_relative_links_resolve_in_the_checkout():
+    """The README and the pages are readable as Markdown in a checkout: every relative link there names a
+    file of the checkout (the build points links to ``notebooks/`` at the site's rendered copies)."""
+    pages = [helpers.ROOT / "README.md", *sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links, not code
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            path = target.split("#")[0]
+            if not path or re.match(r"[a-z]+:", path):
+                continue
+            file = (
+                page.parent / path
+            ).resolve()  # docs/notebooks/ holds the build's copies, not files of the checkout
+            if not file.exists() or file.is_relative_to(DOCS / "notebooks"):
+                broken.append(f"{page.relative_to(helpers.ROOT)}: {target}")
+    assert not broken, broken
+
+
 @pytest.mark.slow
 def test_sphinx_build_has_no_warnings(tmp_path):
     """The README's build command (``-W --keep-going``) without executing the notebooks."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -186,3 +187,98 @@ def test_place_params_old_keyword_still_works():
     assert old["w"].sharding == new["w"].sharding
     with pytest.raises(TypeError, match="Pass `per_worker_params` only"):
         jd.place_params({"w": jnp.ones(3)}, mesh=mesh, per_worker_params=True, per_worker=True)
+
+
+def _round(island, round_, t, participants, healed=False, redone=0):
+    return {
+        "island": island,
+        "round": round_,
+        "step": 10 * round_,
+        "participants": participants,
+        "healed": healed,
+        "redone": redone,
+        "anchor_sha256": f"a{round_}",
+        "val_loss": 1.0 / round_,
+        "time": t,
+    }
+
+
+def test_chaos_checks_fail_on_a_fault_not_seen_or_an_error():
+    """A restart counts as seen only when the restarted process heals (not an earlier heal of the
+    island); an island's error record fails the run too."""
+    chaos = helpers.load_example("islands_chaos")
+    kill, restart = chaos.Fault("kill", 2, 1, fired_at=10.0), chaos.Fault("restart", 2, 2, fired_at=20.0)
+    rows = [
+        _round("2", 1, 5.0, ["0", "1", "2"], healed=True),  # island 2 healed at start-up, before its restart
+        *[_round(i, 1, 5.0, ["0", "1", "2"]) for i in ("0", "1")],
+        *[_round(i, 2, 12.0, ["0", "1"]) for i in ("0", "1")],
+        {"island": "0", "done": True, "val_loss": 0.5, "time": 30.0},
+    ]
+    for f in (kill, restart):
+        f.seen = chaos.seen(f, rows, [])
+    assert kill.seen == "island 0 committed round 2 without island 2, 2.0 s after it"
+    assert restart.seen is None
+    summary = chaos.summarize(rows, [], [kill, restart])
+    assert not summary["ok"] and not summary["checks"]["every fault seen"]
+    assert summary["faults"] == {"kill:2@1": kill.seen, "restart:2@2": "not seen"}
+
+    rows.append(_round("2", 3, 25.0, ["0", "1", "2"], healed=True))  # the restarted process heals
+    restart.seen = chaos.seen(restart, rows, [])
+    assert restart.seen == "island 2 healed in round 3 after its restart, 5.0 s after it"
+    assert chaos.summarize(rows, [], [kill, restart])["ok"]
+    failed = chaos.summarize(
+        [*rows, {"island": "1", "error": "no quorum of islands within 60 s"}], [], [kill, restart]
+    )
+    assert not failed["ok"] and failed["errors"] and not failed["checks"]["no island logged an error"]
+    assert not chaos.summarize(rows, [1], [kill, restart])["ok"]  # a hang
+
+
+def test_a_waiting_island_says_how_many_islands_it_has_and_needs():
+    """While a quorum does not form, one line every few seconds with the lighthouse's counts."""
+    import http.server
+    import io
+    import threading
+
+    islands = helpers.load_example("islands")
+    status = b"Next quorum status: New quorum not ready, only have 1 participants, need min_replicas 2 [1/1]"
+    assert islands.quorum_counts(status.decode()) == (1, 2)
+    assert islands.quorum_counts("only have 2 participants, need at least half of 5 healthy workers") == (
+        2,
+        3,
+    )
+    assert islands.quorum_counts("Fast quorum found!") is None
+
+    class Status(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/status" else 404)
+            self.end_headers()
+            self.wfile.write(status)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out = io.StringIO()
+
+    class Slow:  # a transport whose quorum forms once two lines with the lighthouse's counts are out
+        def quorum(self):
+            deadline = time.monotonic() + 60
+            while out.getvalue().count("have 1 of 2") < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return False
+
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        assert islands.QuorumWatch(Slow(), address, 2, every=0.05, out=out).quorum() is False
+    finally:
+        server.shutdown()
+    lines = out.getvalue().splitlines()
+    assert sum("have 1 of 2" in line for line in lines) >= 2, lines
+    for line in lines:  # (a lighthouse slower than 1 s to answer: the island's own count)
+        assert re.fullmatch(
+            r"waiting for islands: (have 1 of 2 needed|need 2 \(--min-islands\)) since [\d:]{8}", line
+        )
+    # No lighthouse to ask: what the island itself needs.
+    line = islands.waiting_line("127.0.0.1:1", 2, 0.0)
+    assert re.fullmatch(r"waiting for islands: need 2 \(--min-islands\) since \d\d:\d\d:\d\d", line), line

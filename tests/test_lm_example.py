@@ -149,3 +149,47 @@ def test_orthonormal_optimizers_train_on_the_sharded_mesh(lm, corpus, tx):
     first, last = run["evals"][0]["val_bpb"], run["evals"][-1]["val_bpb"]
     assert np.isfinite(last) and last < first
     assert run["evals"][-1]["data_axis_bytes"] > 0
+
+
+def test_summary_says_how_many_times_fewer_bytes_than_dense(lm):
+    """The table's last-but-one column: "50x less" for DiLoCo H=50, "the same" for dense itself."""
+
+    def run(tx, per_step):
+        last = {"step": 10, "val_bpb": 3.0, "data_axis_bytes": 10 * per_step}
+        return {
+            "tx": tx,
+            "evals": [last],
+            "bytes_per_step": per_step,
+            "peak_bytes_per_step": 1000.0,
+            "dense_bytes_per_step": 1000.0,
+            "per_device_bytes": 4000.0,
+        }
+
+    table = lm.summary([run("dense", 1000.0), run("diloco", 20.0), run("adasum", 2000.0)])
+    cells = [line.split(" | ")[4] for line in table.splitlines()[2:]]
+    assert cells == ["the same", "50x less", "2x more"]
+
+
+def test_a_missing_accelerator_is_named_before_anything_is_built(lm):
+    """JAX_PLATFORMS asking for CUDA or TPU where JAX runs on CPU: an error naming both."""
+    lm.require_platform("cpu")  # nothing to check
+    lm.require_platform("")
+    for wanted in ("cuda", "tpu,cpu"):
+        with pytest.raises(
+            SystemExit,
+            match=rf"JAX_PLATFORMS={wanted} asks for {wanted.split(',')[0]} devices, "
+            r"but JAX runs on \d+ cpu device\(s\)",
+        ):
+            lm.require_platform(wanted)
+
+
+def test_every_method_is_checked_before_the_first_trains(lm, tmp_path, capsys):
+    """Streaming DiLoCo's 4 fragments and the default --sync-every 50: an error at once, not after dense
+    and diloco have trained."""
+    with pytest.raises(SystemExit):
+        lm.main(["--tx", "dense,diloco,streaming_diloco", "--out", str(tmp_path)])
+    assert (
+        "--tx streaming_diloco: `sync_every` (50) must be a multiple of `num_fragments` (4)"
+        in capsys.readouterr().err
+    )
+    assert not list(tmp_path.iterdir())
