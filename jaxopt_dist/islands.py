@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxopt_dist._src.islands.island import Island, SyncRecord, anchor_sha256
+from jaxopt_dist._src.islands.local import IslandKilled, LocalHub, LocalTransport
 from jaxopt_dist._src.islands.merge import (
     Merged,
     WeightedMeanState,
@@ -23,14 +24,7 @@ from jaxopt_dist._src.islands.merge import (
     unpack,
     weighted_mean,
 )
-from jaxopt_dist._src.islands.transport import (
-    ExchangeError,
-    IslandKilled,
-    IslandsError,
-    LocalHub,
-    LocalTransport,
-    Transport,
-)
+from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandRefused, IslandsError, Transport
 
 
 def torchft_transport(lighthouse: str, **options: Any) -> Transport:
@@ -132,8 +126,10 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
 
 __all__ = (
     "ExchangeError",
+    "Healed",
     "Island",
     "IslandKilled",
+    "IslandRefused",
     "IslandsError",
     "LocalHub",
     "LocalTransport",
