@@ -856,7 +856,7 @@ def hosts(repeats: int, steps: int, workdir: str) -> dict[str, Any]:
                 island_args=[*COMMON, "--steps", str(steps), *args],
                 join_timeout_ms=JOIN_TIMEOUT_MS,
             )
-            with netns.running(h, c):
+            with netns.running(c):
                 c.start_lighthouse()
                 for i in range(3):
                     c.start(i)

@@ -173,8 +173,8 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def running(hosts: Hosts, cluster: chaos.Cluster) -> Iterator[chaos.Cluster]:
-    """``cluster`` whose processes all end when the block does (the hosts are removed after)."""
+def running(cluster: chaos.Cluster) -> Iterator[chaos.Cluster]:
+    """``cluster``, whose processes all end when the block does (before its hosts are removed)."""
     try:
         yield cluster
     finally:
@@ -185,29 +185,27 @@ def running(hosts: Hosts, cluster: chaos.Cluster) -> Iterator[chaos.Cluster]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, island_args = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--islands", type=int, default=3)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--sync-every", type=int, default=10)
+    p.add_argument("--islands", type=int, default=3, help="islands, each on a host of its own")
+    p.add_argument("--steps", type=int, default=300, help="inner steps of each island")
+    p.add_argument("--sync-every", type=int, default=10, help="H")
     p.add_argument("--step-sleep", type=float, default=0.02, help="seconds of extra work per inner step")
     p.add_argument(
         "--fault", type=chaos.Fault.parse, action="append", default=[], help="as islands_chaos.py's"
     )
     p.add_argument("--rate", default=None, help="shape every host's link to this tc rate, e.g. 100mbit")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before a running island is a hang")
-    p.add_argument("--workdir", default="islands_netns")
-    a = p.parse_args(ours)
+    p.add_argument("--workdir", default="islands_netns", help="the islands' logs")
+    p.add_argument("island_args", nargs=argparse.REMAINDER, help="-- then flags for every island")
+    a = p.parse_args(argv)
+    island_args = a.island_args[1:] if a.island_args[:1] == ["--"] else a.island_args
     why = problem()
     if why is not None:
         p.error(f"cannot make network namespaces here: {why}")
     with Hosts(a.islands + 1, rate=a.rate) as hosts:
         args = ["--steps", str(a.steps), "--sync-every", str(a.sync_every), "--step-sleep", str(a.step_sleep)]
         cluster = hosts.cluster(a.workdir, island_args=[*args, *island_args])
-        with running(hosts, cluster):
+        with running(cluster):
             cluster.start_lighthouse()
             for i in range(a.islands):
                 cluster.start(i)

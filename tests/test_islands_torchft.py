@@ -139,8 +139,9 @@ def test_fault_free_eager_islands_match_in_process_diloco(tmp_path):
         saved = np.load(path)
         i = int(os.path.basename(path)[len("island") :].split("_")[0])
         want = {k: v[i] for k, v in ref[int(saved["step"]) - 1].items()}  # worker i's row
-        for k, v in want.items():
-            assert np.max(np.abs(saved[k] - v)) <= 1e-6 * np.max(np.abs(v)), (path, k)
+        for k, v in want.items():  # float rounding: the host's merged mean against the step's psum
+            # (1.04e-6 measured here at round 3 on JAX 0.10's CPU backend: eager's anchors compound it)
+            assert np.max(np.abs(saved[k] - v)) <= 2e-6 * np.max(np.abs(v)), (path, k)
 
 
 def _wait(cluster, condition, timeout=240.0):
@@ -300,7 +301,7 @@ def test_islands_on_separate_hosts_match_in_process_diloco(tmp_path):
     extra = ["--steps", str(steps), "--anchors-dir", str(tmp_path), "--rule", "tokens"]
     with _hosts(4) as hosts:
         cluster = _host_cluster(hosts, tmp_path, extra, min_islands=3)
-        with netns.running(hosts, cluster):
+        with netns.running(cluster):
             cluster.start_lighthouse()
             for i in range(3):
                 cluster.start(i)
@@ -327,7 +328,7 @@ def test_islands_on_separate_hosts_ride_through_a_kill_a_restart_and_a_stop(tmp_
     extra = ["--steps", "100000", "--step-sleep", "0.03"]
     with _hosts(4) as hosts:
         cluster = _host_cluster(hosts, tmp_path, extra)
-        with netns.running(hosts, cluster):
+        with netns.running(cluster):
             cluster.start_lighthouse()
             for i in range(3):
                 cluster.start(i)
@@ -380,15 +381,18 @@ address = lighthouse.address().split("//")[-1]
 state = {"params": [np.full(1_000_000, 1.0, np.float32)], "opt_state": [np.zeros(3, np.float32)]}
 stop, out = threading.Event(), {}
 
-def island(i, commits):
+def island(i, commits, fall_behind=False):
     # attempts as the round protocol makes them (quorum, all-reduce, vote) until `commits` commit
     t = TorchftTransport(address, timeout=0.5, heal_timeout=20.0, host="127.0.0.1")
     t.bind(i, lambda: state)
     done = out.setdefault(f"commits{i}", [])
+    heals = out.setdefault(f"heals{i}", [])
     while len(done) < commits and not (stop.is_set() and done):
+        if fall_behind and len(done) == commits - 1 and len(heals) == 1:
+            t.fall_behind()  # as a member whose anchor left the majority's: it heals again
         healed = t.quorum(30.0)
         if healed is not None:
-            out[i] = {"heal_seconds": healed.seconds, "bytes": int(healed.state["params"][0].nbytes)}
+            heals.append({"seconds": healed.seconds, "bytes": int(healed.state["params"][0].nbytes)})
         try:
             t.allreduce(np.ones(4, np.float32))
             ok = True
@@ -401,8 +405,8 @@ def island(i, commits):
 sources = [threading.Thread(target=island, args=(i, 10**6)) for i in (0, 1)]
 for s in sources:
     s.start()
-time.sleep(3.0)
-island(2, 2)
+time.sleep(2.0)
+island(2, 3, fall_behind=True)
 stop.set()
 for s in sources:
     s.join(60)
@@ -412,7 +416,8 @@ print(json.dumps(out))
 
 def test_a_heal_may_take_longer_than_the_exchange_timeout():
     """A heal has a timeout of its own: 4 MB over a 16 Mbit/s link (2 s) heals with a 0.5 s exchange
-    timeout, and the rounds around it commit (in a network namespace, its loopback shaped with tc)."""
+    timeout, and the rounds around it commit (in a network namespace, its loopback shaped with tc).
+    An island that falls behind (its anchor left the majority's) heals again in its next quorum."""
     why = netns.problem() or (None if shutil.which("tc") and shutil.which("unshare") else "no tc or unshare")
     if why is not None:
         if REQUIRED:
@@ -427,6 +432,8 @@ def test_a_heal_may_take_longer_than_the_exchange_timeout():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["2"]["bytes"] == 4_000_000 and 1.0 < out["2"]["heal_seconds"] < 20.0, out
-    healed_at = out["commits2"][0]  # the round island 2 healed in, committed with the others
-    assert len(out["commits2"]) == 2 and healed_at in out["commits0"] and healed_at in out["commits1"], out
+    heals = out["heals2"]  # its join, and again after it fell behind (fall_behind)
+    assert len(heals) == 2 and all(h["bytes"] == 4_000_000 and 1.0 < h["seconds"] < 20.0 for h in heals), out
+    assert len(out["commits2"]) == 3, out
+    for committed in out["commits2"]:  # every round island 2 committed, the others committed too
+        assert committed in out["commits0"] and committed in out["commits1"], out
