@@ -94,14 +94,13 @@ class Island:
     optimizer state, the step count, the steps since the last launch (the
     ``"tokens"`` weight), the aggregate state the last send left, the rounds
     landed but not yet recorded, the records and the digest the next round's
-    members check; at each launch it fixes a round's
-    :class:`~jaxopt_dist._src.islands.protocol.Contribution` (values, not
-    references to those fields), and takes the round's outcome back through a
-    future, before the step that applies it. The round thread runs
-    :mod:`.protocol` and reads none of the main thread's fields; when it heals
-    it returns the healing state in the outcome. The transport's threads call
-    :meth:`~jaxopt_dist._src.islands.healing.Healing.serve`, which shares only
-    the healing state, under a lock.
+    members check; at each launch it fixes a round's contribution (values,
+    not references to those fields), and takes the round's outcome back
+    through a future, before the step that applies it. The round thread runs
+    the round protocol and reads none of the main thread's fields; when it
+    heals, it returns the healing state in the outcome. The transport's
+    threads call the healing state's ``serve``, which shares only the state
+    this island serves, under a lock.
     """
 
     def __init__(

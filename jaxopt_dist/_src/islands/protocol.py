@@ -240,7 +240,7 @@ class RoundProtocol:
                 self.transport.close()
                 raise verdict.leave
             if verdict.heal:
-                self.transport.fall_behind()
+                self._fall_behind(verdict.reason)
             waits = self._pause(attempt, deadline, waits, verdict.reason)
         raise AssertionError("unreachable")
 
@@ -275,6 +275,13 @@ class RoundProtocol:
         total = self.transport.allreduce(buf)
         waits = waits.longest(exchange=time.monotonic() - t)
         return merge.unpack(total, c.leaves, num_slots=self.num_slots), waits
+
+    def _fall_behind(self, reason: str) -> None:
+        try:
+            self.transport.fall_behind()
+        except NotImplementedError as e:
+            self.transport.close()
+            raise IslandsError(f"island {self.island_id} leaves: {reason}; {e}") from e
 
     def _pause(self, attempt: int, deadline: float, waits: Waits, reason: str) -> Waits:
         """Backoff with jitter before the next attempt; gives up (leaving) once the deadline has passed."""

@@ -83,13 +83,16 @@ class Transport(abc.ABC):
         died) is False. True advances the committed-round count.
         """
 
-    @abc.abstractmethod
+    def close(self) -> None:  # noqa: B027 (optional to override)
+        """Leaves; the others' next quorum goes on without this island."""
+
     def fall_behind(self) -> None:
-        """Makes this island's next quorum heal it from a member ahead of it (its state is in the minority)."""
+        """Makes this island's next quorum heal it from a member ahead of it (its state is in the minority).
+
+        A transport that cannot leaves this undone: the island then leaves the round with an error.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot make an island heal from the others")
 
     @abc.abstractmethod
     def rounds_committed(self) -> int:
         """Rounds this island has committed (after healing: its source's count)."""
-
-    def close(self) -> None:  # noqa: B027 (optional to override)
-        """Leaves; the others' next quorum goes on without this island."""
