@@ -806,16 +806,17 @@ FAULT_ROUND_S = 2 * TIMEOUT + HEARTBEAT_S + 0.5 + 0.1 + 1.0
 
 
 def _host_faults(c: chaos.Cluster, repeats: int, timeout: float = 240.0) -> list[dict[str, Any]]:
-    """``repeats`` times: SIGKILL island k % 3, restart it 2 s later, wait for its heal; SIGSTOP island
-    (k + 1) % 3 for 4 s, wait for its heal; then a round of all three."""
-    fired = []
+    """Up to ``repeats`` times, while the islands run: SIGKILL island k % 3, restart it 2 s later, wait
+    for its heal; SIGSTOP island (k + 1) % 3 for 4 s, wait for a round of all three (the resumed island
+    heals if the others left it out meanwhile, which a stop that ends inside a quorum may not cause)."""
+    fired: list[dict[str, Any]] = []
 
     def healed_after(i: int, t: float) -> bool:
         return any(r["healed"] and r["time"] > t for r in _rounds(read_rows(c.log_path(i))))
 
     for k in range(repeats):
         if not _steady(c, time.time()):
-            raise RuntimeError("the islands never formed a round of three")
+            break  # the islands have finished
         victim, frozen = k % 3, (k + 1) % 3
         t_kill = time.time()
         c.signal(victim, signal.SIGKILL)
@@ -825,13 +826,17 @@ def _host_faults(c: chaos.Cluster, repeats: int, timeout: float = 240.0) -> list
         healed = wait_for(lambda v=victim, t=t_start: healed_after(v, t), timeout)
         fired.append({"fault": "kill", "island": victim, "time": t_kill, "healed": bool(healed)})
         if not _steady(c, time.time()):
-            raise RuntimeError(f"island {victim} did not rejoin")
+            break
         t_stop = time.time()
         c.signal(frozen, signal.SIGSTOP)
         time.sleep(STOP_S)
         c.signal(frozen, signal.SIGCONT)
-        healed = wait_for(lambda v=frozen, t=t_stop: healed_after(v, t), timeout)
-        fired.append({"fault": "stop", "island": frozen, "time": t_stop, "healed": bool(healed)})
+        back = _steady(c, time.time())
+        fired.append(
+            {"fault": "stop", "island": frozen, "time": t_stop, "healed": healed_after(frozen, t_stop)}
+        )
+        if not back:
+            break
     return fired
 
 
@@ -903,7 +908,7 @@ def hosts_table(res: dict[str, Any]) -> str:
                 s["rounds_committed"],
                 s["rounds_redone"],
                 f"{sum(f['healed'] for f in kills)}/{len(kills)} restarted, {sum(f['healed'] for f in stops)}/"
-                f"{len(stops)} resumed",
+                f"{len(stops)} resumed (left out)",
                 s["hangs"],
                 s["divergent_anchors"],
                 len(s["errors"]),
@@ -1044,7 +1049,7 @@ def main() -> int:
     if "hosts" in only:
         section(
             "hosts",
-            lambda: hosts(r := 1 if q else a.hosts_repeats, 800 * (r + 1), os.path.join(workdir, "hosts")),
+            lambda: hosts(r := 1 if q else a.hosts_repeats, 1500 * (r + 1), os.path.join(workdir, "hosts")),
             hosts_table,
         )
     results["seconds"] = time.monotonic() - t0

@@ -28,11 +28,12 @@ Nothing here touches a device: a round runs beside the island's steps.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -147,8 +148,10 @@ class Adopted(NamedTuple):
     contribution: Contribution
 
 
-class Waits(NamedTuple):
-    """The longest wait of each kind in one round (seconds); ``backoff``: all pauses together."""
+@dataclasses.dataclass
+class Waits:
+    """The longest wait of each kind in one round (seconds), failed ones included; ``backoff``: all
+    pauses together."""
 
     quorum: float = 0.0
     heal: float = 0.0
@@ -156,8 +159,20 @@ class Waits(NamedTuple):
     vote: float = 0.0
     backoff: float = 0.0
 
-    def longest(self, **seen: float) -> Waits:
-        return self._replace(**{k: max(getattr(self, k), v) for k, v in seen.items()})
+    def note(self, kind: str, seconds: float) -> None:
+        if kind == "backoff":
+            self.backoff += seconds
+        else:
+            setattr(self, kind, max(getattr(self, kind), seconds))
+
+    @contextlib.contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        """Notes how long the block took, also when it raises."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.note(kind, time.monotonic() - start)
 
 
 @dataclasses.dataclass
@@ -170,7 +185,7 @@ class Outcome:
     round: int
     redone: int
     seconds: float
-    waits: Waits = Waits()
+    waits: Waits = dataclasses.field(default_factory=Waits)
 
 
 class Verdict(NamedTuple):
@@ -218,20 +233,19 @@ class RoundProtocol:
         for attempt in range(2**31):
             verdict, merged = Verdict(False), None
             try:
-                got, waits = self._quorum(deadline, waits)
+                got = self._quorum(deadline, waits)
                 if got is not None:
                     adopted = adopt(got)
                     healed, c = adopted.trees, adopted.contribution
-                merged, waits = self._exchange(c, healed is not None, waits)
+                merged = self._exchange(c, healed is not None, waits)
                 verdict = self._check(merged, healed is not None)
             except ExchangeError as e:
                 verdict = Verdict(False, str(e))
             except IslandsError:
                 self.transport.close()
                 raise
-            t = time.monotonic()
-            committed = self.transport.commit(verdict.ok)
-            waits = waits.longest(vote=time.monotonic() - t)
+            with waits.timed("vote"):
+                committed = self.transport.commit(verdict.ok)
             if committed and merged is not None:
                 rounds = self.transport.rounds_committed() - 1
                 frag = -1 if c.fragment is None else c.fragment
@@ -241,23 +255,26 @@ class RoundProtocol:
                 raise verdict.leave
             if verdict.heal:
                 self._fall_behind(verdict.reason)
-            waits = self._pause(attempt, deadline, waits, verdict.reason)
+            self._pause(attempt, deadline, waits, verdict.reason)
         raise AssertionError("unreachable")
 
     # -------------------------------------------------------------- attempts
-    def _quorum(self, deadline: float, waits: Waits) -> tuple[Healed | None, Waits]:
+    def _quorum(self, deadline: float, waits: Waits) -> Healed | None:
         left = deadline - time.monotonic() - self.transport.exchange_seconds
         if left <= 0:
             raise self._late("no time was left for a quorum and an exchange")
-        t = time.monotonic()
-        got = self.transport.quorum(left)
-        heal = got.seconds if got is not None else 0.0
-        waits = waits.longest(quorum=time.monotonic() - t - heal, heal=heal)
+        start, got = time.monotonic(), None
+        try:
+            got = self.transport.quorum(left)
+        finally:
+            heal = got.seconds if got is not None else 0.0
+            waits.note("quorum", time.monotonic() - start - heal)
+            waits.note("heal", heal)
         if self.joined is None:
             self.joined = self.transport.rounds_committed()
-        return got, waits
+        return got
 
-    def _exchange(self, c: Contribution, healed: bool, waits: Waits) -> tuple[merge.Merged, Waits]:
+    def _exchange(self, c: Contribution, healed: bool, waits: Waits) -> merge.Merged:
         weight = 0.0 if c.fragment is None else merge.island_weight(self.rule, healed=healed, tokens=c.tokens)
         buf = merge.pack(
             c.leaves,
@@ -271,10 +288,9 @@ class RoundProtocol:
             nonce=self.nonce,
             settings=self.settings.vector(),
         )
-        t = time.monotonic()
-        total = self.transport.allreduce(buf)
-        waits = waits.longest(exchange=time.monotonic() - t)
-        return merge.unpack(total, c.leaves, num_slots=self.num_slots), waits
+        with waits.timed("exchange"):
+            total = self.transport.allreduce(buf)
+        return merge.unpack(total, c.leaves, num_slots=self.num_slots)
 
     def _fall_behind(self, reason: str) -> None:
         try:
@@ -283,7 +299,7 @@ class RoundProtocol:
             self.transport.close()
             raise IslandsError(f"island {self.island_id} leaves: {reason}; {e}") from e
 
-    def _pause(self, attempt: int, deadline: float, waits: Waits, reason: str) -> Waits:
+    def _pause(self, attempt: int, deadline: float, waits: Waits, reason: str) -> None:
         """Backoff with jitter before the next attempt; gives up (leaving) once the deadline has passed."""
         left = deadline - time.monotonic()
         if left <= self.transport.exchange_seconds:
@@ -291,8 +307,8 @@ class RoundProtocol:
             raise self._late(f"{attempt + 1} attempts; the last: {reason or 'not committed'}")
         pause = min(BACKOFF_MAX, BACKOFF_FIRST * 2**attempt) * (0.5 + 0.5 * secrets.randbelow(1000) / 1000)
         pause = min(pause, left - self.transport.exchange_seconds)
-        time.sleep(pause)
-        return waits._replace(backoff=waits.backoff + pause)
+        with waits.timed("backoff"):
+            time.sleep(pause)
 
     def _late(self, what: str) -> IslandsError:
         return IslandsError(
