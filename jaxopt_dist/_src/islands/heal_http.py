@@ -112,16 +112,11 @@ class HealServer:
         return f"http://{host}:{self.port}/heal/"
 
     def stage(self, step: int, tree: Any) -> None:
-        """Serves ``tree`` to peers that ask for ``step``, until :meth:`withdraw` or the next stage."""
+        """Serves ``tree`` to peers that ask for ``step``, until the next stage."""
         header, arrays = encode(tree)
         with self._lock:
             self._staged = (int(step), header, arrays)
             self._lock.notify_all()
-
-    def withdraw(self) -> None:
-        """Serves nothing new (a download under way goes on)."""
-        with self._lock:
-            self._staged = None
 
     def staged(self, step: int) -> tuple[bytes, list[np.ndarray]] | None:
         """The state staged for ``step``; a request for a step not staged yet waits (a peer may ask
@@ -130,7 +125,7 @@ class HealServer:
             ready = lambda: self._staged is not None and self._staged[0] >= step  # noqa: E731
             self._lock.wait_for(ready, timeout=self._wait)
             if self._staged is None or self._staged[0] != step:
-                return None
+                return None  # not staged in time, or an older step than the one staged
             return self._staged[1], self._staged[2]
 
     def close(self) -> None:
