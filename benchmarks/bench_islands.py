@@ -815,7 +815,7 @@ def _host_faults(c: chaos.Cluster, repeats: int, timeout: float = 240.0) -> list
         return any(r["healed"] and r["time"] > t for r in _rounds(read_rows(c.log_path(i))))
 
     for k in range(repeats):
-        if not _steady(c, time.time()):
+        if not _steady(c, time.time(), timeout=300.0 if k == 0 else 90.0):  # (start-up on a loaded machine)
             break  # the islands have finished
         victim, frozen = k % 3, (k + 1) % 3
         t_kill = time.time()
