@@ -808,7 +808,8 @@ FAULT_ROUND_S = 2 * TIMEOUT + HEARTBEAT_S + 0.5 + 0.1 + 1.0
 def _host_faults(c: chaos.Cluster, repeats: int, timeout: float = 240.0) -> list[dict[str, Any]]:
     """Up to ``repeats`` times, while the islands run: SIGKILL island k % 3, restart it 2 s later, wait
     for its heal; SIGSTOP island (k + 1) % 3 for 4 s, wait for a round of all three (the resumed island
-    heals if the others left it out meanwhile, which a stop that ends inside a quorum may not cause)."""
+    heals if the others left it out meanwhile, which a stop that ends inside a quorum may not cause).
+    Whether each fault's island healed is read off the logs at the end (:func:`_healed`)."""
     fired: list[dict[str, Any]] = []
 
     def healed_after(i: int, t: float) -> bool:
@@ -818,26 +819,31 @@ def _host_faults(c: chaos.Cluster, repeats: int, timeout: float = 240.0) -> list
         if not _steady(c, time.time(), timeout=300.0 if k == 0 else 90.0):  # (start-up on a loaded machine)
             break  # the islands have finished
         victim, frozen = k % 3, (k + 1) % 3
-        t_kill = time.time()
+        fired.append({"fault": "kill", "island": victim, "time": time.time()})
         c.signal(victim, signal.SIGKILL)
         time.sleep(2.0)
         c.start(victim)
         t_start = time.time()
-        healed = wait_for(lambda v=victim, t=t_start: healed_after(v, t), timeout)
-        fired.append({"fault": "kill", "island": victim, "time": t_kill, "healed": bool(healed)})
-        if not _steady(c, time.time()):
+        if not wait_for(lambda v=victim, t=t_start: healed_after(v, t), timeout) or not _steady(
+            c, time.time()
+        ):
             break
-        t_stop = time.time()
+        fired.append({"fault": "stop", "island": frozen, "time": time.time()})
         c.signal(frozen, signal.SIGSTOP)
         time.sleep(STOP_S)
         c.signal(frozen, signal.SIGCONT)
-        back = _steady(c, time.time())
-        fired.append(
-            {"fault": "stop", "island": frozen, "time": t_stop, "healed": healed_after(frozen, t_stop)}
-        )
-        if not back:
+        if not _steady(c, time.time()):
             break
     return fired
+
+
+def _healed(rows: list[dict[str, Any]], fired: list[dict[str, Any]]) -> list[bool]:
+    """For each fault, whether its island logged a healed round after it and before the next (or the end)."""
+    times = [f["time"] for f in fired] + [float("inf")]
+    return [
+        any(r["healed"] and r["island"] == str(f["island"]) and t < r["time"] < end for r in _rounds(rows))
+        for f, t, end in zip(fired, times, times[1:])
+    ]
 
 
 def _first_without(rows: list[dict[str, Any]], t: float, island: int) -> float | None:
@@ -868,6 +874,8 @@ def hosts(repeats: int, steps: int, workdir: str) -> dict[str, Any]:
                 fired = _host_faults(c, repeats) if name == "faults" else []
                 hung = c.wait(600.0)
         rows = c.rows()
+        for f, healed in zip(fired, _healed(rows, fired)):
+            f["healed"] = healed
         survivors = [
             r
             for f in fired
@@ -899,7 +907,7 @@ def hosts_table(res: dict[str, Any]) -> str:
         s, longest = r["summary"], r["longest"]
         kills = [f for f in r["faults"] if f["fault"] == "kill"]
         stops = [f for f in r["faults"] if f["fault"] == "stop"]
-        worst = max((abs(v / ref_loss - 1) for v in s["final_val_loss"].values()), default=float("nan"))
+        worst = max((v / ref_loss - 1 for v in s["final_val_loss"].values()), key=abs, default=float("nan"))
         excluded = [x for x in r["excluded_after_s"] if x is not None]
         rows.append(
             [
@@ -934,7 +942,7 @@ def hosts_table(res: dict[str, Any]) -> str:
             "waits over their bound + 1 s",
             "longest survivor round after a kill, s",
             "fault -> a round without the island, s (median / max)",
-            "final val loss, worst vs fault-free",
+            "final val loss, farthest from fault-free",
             "wall s",
         ],
         rows,
