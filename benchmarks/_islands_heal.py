@@ -9,8 +9,8 @@ all-reduce of a small buffer, commit), as an island's round does:
 
 * ``--role source``: rounds back to back (a short pause between them) until ``--seconds`` pass;
 * ``--role healer``: ``--repeats`` times: sit out ``--skip`` seconds (the sources commit rounds
-  without it, so it falls behind), then one quorum, in which it heals from a source over torchft's
-  HTTP checkpoint transport, timed; places the state received on its device as ``Island`` does;
+  without it, so it falls behind), then one quorum, in which it heals from a source over the
+  islands' healing transport (HTTP, raw arrays), timed; places the state received on its device as ``Island`` does;
   then one round it does not heal in, timed too (the quorum's cost without healing).
 
 The healer prints one JSON line per repeat, and first one with the state's size.
@@ -33,6 +33,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxopt_dist as jd  # noqa: E402
+from jaxopt_dist._src.islands import merge  # noqa: E402
 from jaxopt_dist._src.islands.torchft import TorchftTransport  # noqa: E402
 from jaxopt_dist.islands import ExchangeError  # noqa: E402
 
@@ -61,7 +62,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip", type=float, default=1.5)
     ap.add_argument("--pause", type=float, default=0.05)
-    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--timeout", type=float, default=30.0, help="the exchange's and the heal's timeout")
+    ap.add_argument(
+        "--host", default=None, help="the address this member listens on (default: route to the lighthouse)"
+    )
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--context", type=int, default=256)
@@ -77,23 +81,30 @@ def main() -> None:
             "opt_state": [np.asarray(x) for x in jax.device_get(s_leaves)],
         }
 
-    def load(payload):
-        received.append(payload)
-
-    t = TorchftTransport(a.lighthouse, min_islands=2, timeout=a.timeout, quorum_timeout=120.0)
-    t.bind(a.id, save, load)
-    small = np.zeros(1 + 2 * 64, np.float32)
+    t = TorchftTransport(
+        a.lighthouse,
+        min_islands=2,
+        timeout=a.timeout,
+        heal_timeout=a.timeout,
+        quorum_timeout=120.0,
+        host=a.host,
+    )
+    t.bind(a.id, save)
+    small = np.zeros(merge.tail_size(64), np.float32)
 
     def round_() -> tuple[bool, float, float]:
         start = time.perf_counter()
-        healed = t.quorum()
+        healed = t.quorum(120.0)
+        if healed is not None:
+            received.append(healed.state)
         quorum_s = time.perf_counter() - start
         try:
             t.allreduce(small.copy())
+            ok = True
         except ExchangeError:
-            pass
-        t.commit()
-        return healed, quorum_s, time.perf_counter() - start
+            ok = False
+        t.commit(ok)
+        return healed is not None, quorum_s, time.perf_counter() - start
 
     if a.role == "source":
         end = time.monotonic() + a.seconds

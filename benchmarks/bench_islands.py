@@ -16,6 +16,11 @@ are real signals. Five measurements, each printing a table:
    against a fault-free run of the same length and seed.
 5. **torchft's own DiLoCo** (``benchmarks/_islands_torchft_diloco.py``) under the same fault
    (a replica SIGKILLs itself entering a round's all-reduce): rounds the survivors lose.
+6. **Separate hosts** (``--only hosts``; root): three islands on three hosts and the lighthouse on
+   a fourth, network namespaces on a bridge (``examples/islands_netns.py``), fault-free and through
+   ``--hosts-repeats`` times (a SIGKILL, a restart 2 s later, a 4 s SIGSTOP of another island):
+   hangs, divergent anchors, heals of the restarted and resumed islands, and the longest wait of
+   each kind the islands logged against its bound.
 
     python benchmarks/bench_islands.py [--quick] [--json PATH]
 
@@ -44,6 +49,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import islands_chaos as chaos  # noqa: E402
+import islands_netns as netns  # noqa: E402
 
 SYNC_EVERY = 10
 STEP_SLEEP = 0.05
@@ -784,6 +790,165 @@ def comparison_table(tf: list[dict[str, Any]], ours: dict[str, Any] | None) -> s
     )
 
 
+# ----------------------------------------------------------------------------- 6. separate hosts
+
+HOSTS_ROUND_S, HOSTS_HEAL_S = 60.0, 20.0  # --round-timeout, --heal-timeout of the hosts' islands
+HOSTS_BOUNDS = {  # each logged wait's bound (the islands guide's table), seconds
+    "seconds": HOSTS_ROUND_S,
+    "quorum_seconds": 60.0,  # --quorum-timeout (COMMON)
+    "exchange_seconds": TIMEOUT,
+    "vote_seconds": TIMEOUT,
+    "heal_seconds": HOSTS_HEAL_S,
+}
+# the guide's bound on a round that a fault of another island hits: the all-reduce and the vote time
+# out, the next quorum waits out the heartbeat and a renewal and a tick, and the longest backoff
+FAULT_ROUND_S = 2 * TIMEOUT + HEARTBEAT_S + 0.5 + 0.1 + 1.0
+
+
+def _host_faults(c: chaos.Cluster, repeats: int, timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Up to ``repeats`` times, while the islands run: SIGKILL island k % 3, restart it 2 s later, wait
+    for its heal; SIGSTOP island (k + 1) % 3 for 4 s, wait for a round of all three (the resumed island
+    heals if the others left it out meanwhile, which a stop that ends inside a quorum may not cause).
+    Whether each fault's island healed is read off the logs at the end (:func:`_healed`)."""
+    fired: list[dict[str, Any]] = []
+
+    def healed_after(i: int, t: float) -> bool:
+        return any(r["healed"] and r["time"] > t for r in _rounds(read_rows(c.log_path(i))))
+
+    for k in range(repeats):
+        if not _steady(c, time.time(), timeout=300.0 if k == 0 else 90.0):  # (start-up on a loaded machine)
+            break  # the islands have finished
+        victim, frozen = k % 3, (k + 1) % 3
+        fired.append({"fault": "kill", "island": victim, "time": time.time()})
+        c.signal(victim, signal.SIGKILL)
+        time.sleep(2.0)
+        c.start(victim)
+        t_start = time.time()
+        if not wait_for(lambda v=victim, t=t_start: healed_after(v, t), timeout) or not _steady(
+            c, time.time()
+        ):
+            break
+        fired.append({"fault": "stop", "island": frozen, "time": time.time()})
+        c.signal(frozen, signal.SIGSTOP)
+        time.sleep(STOP_S)
+        c.signal(frozen, signal.SIGCONT)
+        if not _steady(c, time.time()):
+            break
+    return fired
+
+
+def _healed(rows: list[dict[str, Any]], fired: list[dict[str, Any]]) -> list[bool]:
+    """For each fault, whether its island logged a healed round after it and before the next (or the end)."""
+    times = [f["time"] for f in fired] + [float("inf")]
+    return [
+        any(r["healed"] and r["island"] == str(f["island"]) and t < r["time"] < end for r in _rounds(rows))
+        for f, t, end in zip(fired, times, times[1:])
+    ]
+
+
+def _first_without(rows: list[dict[str, Any]], t: float, island: int) -> float | None:
+    """Seconds from ``t`` to the first round committed without ``island`` after it (by any island)."""
+    later = [r["time"] for r in _rounds(rows) if r["time"] > t and str(island) not in r["participants"]]
+    return min(later) - t if later else None
+
+
+def hosts(repeats: int, steps: int, workdir: str) -> dict[str, Any]:
+    """Fault-free, then with faults (:func:`_host_faults`), on four hosts (see the module)."""
+    why = netns.problem()
+    if why is not None:
+        return {"skipped": why}
+    out: dict[str, Any] = {}
+    for name in ("fault-free", "faults"):
+        load0, started = load(), time.monotonic()
+        args = ["--round-timeout", str(HOSTS_ROUND_S), "--heal-timeout", str(HOSTS_HEAL_S)]
+        with netns.Hosts(4) as h:
+            c = h.cluster(
+                os.path.join(workdir, name),
+                island_args=[*COMMON, "--steps", str(steps), *args],
+                join_timeout_ms=JOIN_TIMEOUT_MS,
+            )
+            with netns.running(c):
+                c.start_lighthouse()
+                for i in range(3):
+                    c.start(i)
+                fired = _host_faults(c, repeats) if name == "faults" else []
+                hung = c.wait(600.0)
+        rows = c.rows()
+        for f, healed in zip(fired, _healed(rows, fired)):
+            f["healed"] = healed
+        survivors = [
+            r
+            for f in fired
+            for r in _rounds(rows)
+            if f["fault"] == "kill"
+            and r["island"] != str(f["island"])
+            and f["time"] < r["time"] < f["time"] + 30
+        ]
+        out[name] = {
+            "summary": chaos.summarize(rows, hung),
+            "faults": fired,
+            "longest": {k: max((r[k] for r in _rounds(rows)), default=0.0) for k in HOSTS_BOUNDS},
+            "over_bound": sum(1 for r in _rounds(rows) for k, b in HOSTS_BOUNDS.items() if r[k] > b + 1.0),
+            "fault_rounds_s": max((r["seconds"] for r in survivors), default=0.0),
+            "excluded_after_s": [_first_without(rows, f["time"], f["island"]) for f in fired],
+            "seconds": time.monotonic() - started,
+            "load": [load0, load()],
+        }
+    return out
+
+
+def hosts_table(res: dict[str, Any]) -> str:
+    if "skipped" in res:
+        return f"skipped: {res['skipped']}"
+    ref = res["fault-free"]["summary"]["final_val_loss"]
+    ref_loss = statistics.mean(ref.values()) if ref else float("nan")
+    rows = []
+    for name, r in res.items():
+        s, longest = r["summary"], r["longest"]
+        kills = [f for f in r["faults"] if f["fault"] == "kill"]
+        stops = [f for f in r["faults"] if f["fault"] == "stop"]
+        worst = max((v / ref_loss - 1 for v in s["final_val_loss"].values()), key=abs, default=float("nan"))
+        excluded = [x for x in r["excluded_after_s"] if x is not None]
+        rows.append(
+            [
+                name,
+                f"{len(kills)} / {len(stops)}",
+                s["rounds_committed"],
+                s["rounds_redone"],
+                f"{sum(f['healed'] for f in kills)}/{len(kills)} restarted, {sum(f['healed'] for f in stops)}/"
+                f"{len(stops)} resumed (left out)",
+                s["hangs"],
+                s["divergent_anchors"],
+                len(s["errors"]),
+                " / ".join(f"{longest[k]:.2f}" for k in HOSTS_BOUNDS),
+                r["over_bound"],
+                f"{r['fault_rounds_s']:.2f} (<= {FAULT_ROUND_S:g})" if kills else "",
+                med_max(excluded),
+                f"{worst:+.2%}" if name != "fault-free" else "",
+                f"{r['seconds']:.0f}",
+            ]
+        )
+    return table(
+        [
+            "run (3 islands on 3 hosts, lighthouse on a 4th)",
+            "kills + restarts / 4 s stops",
+            "rounds committed",
+            "redone",
+            "healed",
+            "hangs",
+            "divergent anchors",
+            "errors",
+            "longest round / quorum / all-reduce / vote / heal, s",
+            "waits over their bound + 1 s",
+            "longest survivor round after a kill, s",
+            "fault -> a round without the island, s (median / max)",
+            "final val loss, farthest from fault-free",
+            "wall s",
+        ],
+        rows,
+    )
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -799,9 +964,12 @@ def main() -> int:
         "--workdir", default=None, help="keep the islands' logs here (default: a temporary folder)"
     )
     ap.add_argument(
-        "--only", default="detection,healing,utilization,soak,torchft", help="comma-separated sections"
+        "--only",
+        default="detection,healing,utilization,soak,torchft,hosts",
+        help="comma-separated sections (hosts needs root)",
     )
     ap.add_argument("--soak", type=int, default=12, help="random faults in the soak")
+    ap.add_argument("--hosts-repeats", type=int, default=3, help="kill-restart-stop cycles on separate hosts")
     ap.add_argument(
         "--eager",
         action="store_true",
@@ -885,6 +1053,12 @@ def main() -> int:
                 [5] if q else [5, 8, 11], 120 if q else 200, os.path.join(workdir, "torchft")
             ),
             lambda r: comparison_table(r, det),
+        )
+    if "hosts" in only:
+        section(
+            "hosts",
+            lambda: hosts(r := 1 if q else a.hosts_repeats, 1500 * (r + 1), os.path.join(workdir, "hosts")),
+            hosts_table,
         )
     results["seconds"] = time.monotonic() - t0
     print(f"total {results['seconds']:.0f} s")

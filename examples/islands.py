@@ -14,12 +14,24 @@ own shell::
     python examples/islands.py --island-id 1 --lighthouse 127.0.0.1:29510 --log island1.jsonl
     python examples/islands.py --island-id 2 --lighthouse 127.0.0.1:29510 --log island2.jsonl
 
+On separate machines, the lighthouse listens on an address of a private
+network and each island gives its own address on it with ``--host``::
+
+    python examples/islands.py --serve-lighthouse 10.0.0.1:29510                       # machine A
+    python examples/islands.py --island-id 0 --lighthouse 10.0.0.1:29510 --host 10.0.0.2  # machine B
+    python examples/islands.py --island-id 1 --lighthouse 10.0.0.1:29510 --host 10.0.0.3  # machine C
+
+``--host`` is the address the island listens on and advertises, for its
+TCPStore, its gloo device and its healing server (torchft's ManagerServer
+advertises it too, but torchft has it listen on every interface); without it,
+the island takes its own address on the route to the lighthouse.
+
 ``--serve-lighthouse`` runs torchft's ``LighthouseServer`` in this process
 until it is killed; torchft's own console script does the same:
 ``torchft_lighthouse --bind [::]:29510 --min_replicas 2 --join_timeout_ms 1000
 --heartbeat_timeout_ms 2000``. The islands renew their quorum request every
 0.5 s; with a join timeout above that, a round waits for every live island
-and leaves out one whose heartbeats stopped (after ``--heartbeat_timeout_ms``).
+and leaves out one whose heartbeats stopped (after ``--heartbeat-timeout-ms``).
 Below it, an island that asks a little late (it just healed) keeps being left
 out.
 
@@ -29,16 +41,26 @@ lighthouse gives them); torchft's own log lines (one per quorum retry, twice a
 second) are shown only with ``--verbose`` (they are torchft's Rust logging,
 ``RUST_LOG``; without ``--verbose`` it is set to ``warn`` unless already set).
 
-``--log`` gets one JSON line per synchronisation, and nothing else (``island``, ``round``,
-``step``, ``fragment``, ``participants``, ``weights``, ``healed``,
-``redone``, ``anchor_sha256``, ``agreed_sha256``, ``val_loss``, ``time``;
-the anchor is the island's own row under ``--eager``, where the islands
-agree on the merged mean instead) and a final
-``{"island": ..., "done": true, "val_loss": ..., "steps": ..., "sharded_leaves": ...}``
-(the anchor's leaves split over the island's devices); the same lines go to
-stdout. An island
-that cannot go on (no quorum within ``--quorum-timeout``) writes
-``{"island": ..., "error": ...}`` and exits with status 3.
+``--log`` gets one JSON line per synchronisation, and nothing else (the same lines go
+to stdout): ``island`` (the id, a
+string), ``round``, ``step``, ``fragment``, ``participants`` (ids, strings),
+``weights``, ``healed``, ``redone``, ``seconds`` (the round, from its first
+quorum to its commit), ``quorum_seconds``, ``heal_seconds``,
+``exchange_seconds`` and ``vote_seconds`` (the longest wait of each kind in the
+round), ``backoff_seconds`` (the pauses between its attempts),
+``anchor_sha256``, ``agreed_sha256`` (what every member holds bit-identical:
+the anchor, or under ``--eager``, where each island's anchor is its own row,
+the merged mean), ``val_loss`` (of the island's anchor) and ``time`` (Unix
+seconds); with ``--die-in-exchange-*`` or ``--stop-in-exchange-after``, a
+``{"island", "fault", "fault_round", "time"}`` line just before the fault. At
+the end a ``{"island", "done": true, "val_loss", "steps", "sharded_leaves",
+"time"}`` line (``sharded_leaves``: the anchor's leaves split over the
+island's devices; with ``--timings`` also ``compute_seconds``,
+``wall_seconds``, ``steps_timed`` and ``logging_seconds``). An island that
+cannot go on (no quorum within ``--quorum-timeout``, a round not committed
+within ``--round-timeout``) writes ``{"island", "error", "time"}`` and exits
+with status 3; one that is refused (its id in use by another live island, or
+settings that differ from the others') with status 4.
 
 ``--steps-file PATH`` lets a driver (``examples/islands_chaos.py``) lengthen
 the run: the island trains until the larger of ``--steps`` and the count
@@ -61,6 +83,7 @@ import urllib.request
 from typing import Any, NamedTuple
 
 EXIT_NO_QUORUM = 3
+EXIT_REFUSED = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,6 +103,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--island-id", type=int, default=None, help="this island's slot (0-63)")
     p.add_argument("--lighthouse", metavar="HOST:PORT", default=None, help="the lighthouse's address")
+    p.add_argument(
+        "--host",
+        metavar="ADDR",
+        default=None,
+        help="the address this island listens on and advertises to the others (its store, gloo device "
+        "and healing server); default: its address on the route to the lighthouse",
+    )
     p.add_argument("--steps", type=int, default=300, help="inner steps in all")
     p.add_argument("--sync-every", type=int, default=10, help="H: inner steps per outer step")
     p.add_argument("--num-fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
@@ -88,9 +118,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--eager",
         action="store_true",
         help="eager outer steps (each island's own fresh pseudo-gradient with the last round's mean; "
-        "every exchange overlaps a period)",
+        "each exchange runs beside the inner steps up to its fragment's next synchronisation: "
+        "H / F - 1 of them)",
     )
-    p.add_argument("--rule", choices=("mean", "tokens"), default="mean", help="how rounds weigh islands")
+    p.add_argument(
+        "--rule",
+        choices=("mean", "tokens"),
+        default="mean",
+        help="how rounds weigh islands: 1 each, or the tokens (--batch-size per step) trained since the last launch",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="the model's initialization (the same on every island)"
     )
@@ -100,8 +136,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--outer-lr", type=float, default=0.7, help="the outer Nesterov SGD's learning rate (momentum 0.9)"
     )
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds an all-reduce or heal may take")
+    p.add_argument(
+        "--timeout", type=float, default=2.0, help="seconds an all-reduce, or a round's commit vote, may take"
+    )
+    p.add_argument("--heal-timeout", type=float, default=30.0, help="seconds a heal may take")
     p.add_argument("--quorum-timeout", type=float, default=60.0, help="seconds to wait for a quorum")
+    p.add_argument(
+        "--round-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a whole round may take (its quorums, heal, exchanges, votes and pauses)",
+    )
     p.add_argument("--quorum-retries", type=int, default=3, help="retries of a failed quorum request")
     p.add_argument(
         "--num-processes", type=int, default=1, help="processes of this island (its own jax.distributed job)"
@@ -343,7 +388,7 @@ class QuorumWatch:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def quorum(self) -> bool:
+    def quorum(self, timeout: float) -> Any:
         done, since = threading.Event(), time.time()
 
         def report() -> None:
@@ -354,7 +399,7 @@ class QuorumWatch:
 
         threading.Thread(target=report, daemon=True).start()
         try:
-            return self.inner.quorum()
+            return self.inner.quorum(timeout)
         finally:
             done.set()
 
@@ -418,6 +463,11 @@ def run_island(args: argparse.Namespace) -> int:
             healed=rec.healed,
             redone=rec.redone,
             seconds=round(rec.seconds, 4),
+            quorum_seconds=round(rec.quorum_seconds, 4),
+            heal_seconds=round(rec.heal_seconds, 4),
+            exchange_seconds=round(rec.exchange_seconds, 4),
+            vote_seconds=round(rec.vote_seconds, 4),
+            backoff_seconds=round(rec.backoff_seconds, 4),
             anchor_sha256=rec.anchor_sha256,
             agreed_sha256=rec.agreed_sha256,
             val_loss=setup.val_loss(anchor),
@@ -438,8 +488,10 @@ def run_island(args: argparse.Namespace) -> int:
         args.lighthouse,
         min_islands=args.min_islands,
         timeout=args.timeout,
+        heal_timeout=args.heal_timeout,
         quorum_timeout=args.quorum_timeout,
         quorum_retries=args.quorum_retries,
+        host=args.host,
     )
     faults = (args.die_in_exchange_at, args.die_in_exchange_after, args.stop_in_exchange_after)
     if any(f is not None for f in faults):
@@ -453,7 +505,15 @@ def run_island(args: argparse.Namespace) -> int:
         )
     if not args.verbose:
         transport = QuorumWatch(transport, args.lighthouse, args.min_islands)
-    island = islands.island(step, transport, island_id=args.island_id, rule="mean", on_sync=on_sync)
+    island = islands.island(
+        step,
+        transport,
+        island_id=args.island_id,
+        rule=args.rule,
+        tokens_per_step=args.batch_size,
+        round_timeout=args.round_timeout,
+        on_sync=on_sync,
+    )
     if args.timings:
         island.step = TimedStep(island.step)
     timings: dict[str, Any] = {}
@@ -484,7 +544,7 @@ def run_island(args: argparse.Namespace) -> int:
         island.finish()
     except islands.IslandsError as e:
         log(error=str(e))
-        return EXIT_NO_QUORUM
+        return EXIT_REFUSED if isinstance(e, islands.IslandRefused) else EXIT_NO_QUORUM
     model = island.model(opt_state)
     sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(model))
     log(done=True, val_loss=setup.val_loss(model), steps=t, sharded_leaves=sharded, **timings)

@@ -25,8 +25,8 @@ otherwise::
     python examples/islands_chaos.py --islands 3 --fault kill:2@5 --fault restart:2@8
 
 A fault is ``ACTION:ISLAND@ROUND[:SECONDS]`` (``kill``, ``stop`` for SECONDS,
-``restart``, ``exchange-kill``: the island kills itself 10 ms into that
-round's all-reduce; ``lighthouse``: the lighthouse is killed and started
+``restart``, ``exchange-kill``: the island kills itself as it enters that
+round's all-reduce, its peers already in it or entering it; ``lighthouse``: the lighthouse is killed and started
 again SECONDS later). ``--soak N`` adds N random faults instead.
 Island flags after ``--`` go to every island. The logs go to ``--workdir``
 (a new temporary directory by default, printed).

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxopt_dist._src.islands.island import Island, SyncRecord, anchor_sha256
+from jaxopt_dist._src.islands.local import IslandKilled, LocalHub, LocalTransport
 from jaxopt_dist._src.islands.merge import (
     Merged,
     WeightedMeanState,
@@ -23,14 +24,7 @@ from jaxopt_dist._src.islands.merge import (
     unpack,
     weighted_mean,
 )
-from jaxopt_dist._src.islands.transport import (
-    ExchangeError,
-    IslandKilled,
-    IslandsError,
-    LocalHub,
-    LocalTransport,
-    Transport,
-)
+from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandRefused, IslandsError, Transport
 
 
 def torchft_transport(lighthouse: str, **options: Any) -> Transport:
@@ -40,13 +34,21 @@ def torchft_transport(lighthouse: str, **options: Any) -> Transport:
       lighthouse: ``HOST:PORT`` of torchft's lighthouse (``torchft_lighthouse
         --min_replicas 2 --join_timeout_ms 1000 --heartbeat_timeout_ms 2000``,
         or :func:`start_lighthouse`).
-      **options: ``min_islands`` (fewest islands in a round, default 2),
-        ``timeout`` (seconds an all-reduce, commit vote or heal may take,
-        default 10), ``quorum_timeout`` (seconds to wait for a quorum, default
-        120; then :class:`IslandsError`), ``connect_timeout`` (default 10),
+      **options: ``host`` (the address this island listens on and advertises
+        to the others: its replica group's TCPStore, its gloo device and its
+        healing server listen on it alone; torchft's ``ManagerServer``
+        advertises it but listens on every interface. Default: this host's
+        address on the route to the lighthouse), ``min_islands`` (fewest
+        islands in a round, default 2), ``timeout`` (seconds an all-reduce,
+        and then the round's commit vote, may take; default 10),
+        ``heal_timeout`` (seconds a heal may take, whatever ``timeout``:
+        size it from the state's bytes and the link; default 60),
+        ``quorum_timeout`` (seconds to wait for a quorum, default 120; then
+        :class:`IslandsError`), ``connect_timeout`` (default 10),
         ``quorum_retries`` (times a failed quorum request is retried, e.g.
-        while the lighthouse restarts; default 0), ``hostname`` (the name
-        peers heal from; default this host's name).
+        while the lighthouse restarts; default 0), ``requery`` (seconds
+        between renewals of a waiting quorum request, below the lighthouse's
+        join timeout; default 0.5).
 
     Returns:
       A :class:`Transport` for one :class:`Island`.
@@ -89,20 +91,29 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     islands' in one SUM all-reduce of ``[w * d, w]`` (``w``: 1, or the tokens
     since it last synchronised with ``rule="tokens"``; 0 in a round it heals
     in). With ``sync_delay=0`` the round runs right after that step; with
-    ``sync_delay >= 1`` in a thread beside the next inner steps, landing in
-    the step that applies it. Under ``eager`` the round runs beside the
+    ``sync_delay >= 1`` in a thread beside the next ``sync_delay - 1`` inner
+    steps, landing before the step that applies it. Under ``eager`` the round runs beside the
     steps up to the next fragment's synchronisation, and lands with the
     island's share of it (its weight over the sum; 0 after a heal), which
     scales the island's own fresh pseudo-gradient in its next outer step
     of that fragment.
 
-    A round is: quorum (an island that is behind heals from a peer here), the
-    all-reduce, the commit. When the all-reduce fails (a member died or
-    stalled past the transport's timeout), the survivors form a new quorum and
-    redo it with the same pseudo-gradients, until it commits or
-    ``round_timeout`` passes (:class:`IslandsError`). Every participant of a
-    round ends it with the same anchor, bit for bit (under ``eager``, the same
-    merged mean; each island's anchor is its own, :meth:`Island.model`).
+    A round is attempts of: quorum (an island that is behind heals from a
+    peer here), the all-reduce, the members' checks of what they summed, and
+    a vote among them: the attempt commits only when every member's exchange
+    succeeded and its checks passed. When it does not (a member died or
+    stalled past the transport's timeout), the survivors pause (a backoff
+    with jitter), form a new quorum and redo it, each with the pseudo-gradient
+    it sent before (an island that healed in the round sends nothing, weight
+    0), until it commits; the whole round, quorums and heals included, ends
+    within ``round_timeout`` or raises :class:`IslandsError`. An island whose
+    anchor differs from the majority's heals from it; one with another
+    island's live id, or with settings that differ from the others'
+    (``sync_every``, fragments, ``sync_delay``, ``eager``, ``rule``, the
+    model's shapes, the optimizer state), is refused
+    (:class:`IslandRefused`). Every participant of a round ends it with the
+    same anchor, bit for bit (under ``eager``, the same merged mean; each
+    island's anchor is its own, :meth:`Island.model`).
 
     Call :meth:`Island.init` once (it joins the others and heals if they are
     ahead), then the island like the step; :meth:`Island.finish` at the end.
@@ -111,11 +122,18 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
       step: the island's :func:`jaxopt_dist.data_parallel_step`.
       transport: :func:`torchft_transport`, or a :class:`LocalHub`'s.
       island_id: this island's slot, in ``[0, num_slots)``; unique among
-        live islands (a restarted island may take its old id or a new one).
-      **options: ``rule`` (``"mean"`` or ``"tokens"``), ``tokens_per_step``
-        (for ``"tokens"``), ``num_slots`` (64), ``round_timeout`` (seconds,
-        600), ``on_sync`` (``(SyncRecord, params, opt_state) -> None``, called
-        after each round lands).
+        live islands. A restarted island may take its old id once the
+        process that held it is gone (or a new id); while another live
+        island holds it (a stopped process that resumes, a restart started
+        too early), the newer claim is refused with :class:`IslandRefused`
+        in its first round with the other.
+      **options: ``rule`` (``"mean"``: weight 1; or ``"tokens"``: the steps
+        since the island's previous launch times ``tokens_per_step``, fixed
+        when the round launches), ``tokens_per_step`` (for ``"tokens"``),
+        ``num_slots`` (64; the same on every island), ``round_timeout``
+        (seconds a whole round may take, 600; more than the transport's
+        bound on one exchange and vote), ``on_sync`` (``(SyncRecord, params,
+        opt_state) -> None``, called after each round lands).
 
     Returns:
       An :class:`Island`: ``params, opt_state = island.init(params)``, then
@@ -124,16 +142,22 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     Communication:
       Nothing inside the step. Per round: the ``aggregate`` on the island's
       own devices, then one float32 all-reduce over the transport of the
-      fragment's elements plus ``1 + 2 * num_slots`` floats; a healing
-      island receives a whole copy of the parameters and optimizer state.
+      fragment's elements plus ``1 + 15 * num_slots`` floats (the weight,
+      then per slot its presence, weight, round, anchor tag, heal flag, join
+      round, nonce and 8 settings), and a one-float all-reduce for the commit
+      vote;
+      a healing island receives a whole copy of the parameters and optimizer
+      state.
     """
     return Island(step, transport, island_id=island_id, **options)
 
 
 __all__ = (
     "ExchangeError",
+    "Healed",
     "Island",
     "IslandKilled",
+    "IslandRefused",
     "IslandsError",
     "LocalHub",
     "LocalTransport",

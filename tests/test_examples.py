@@ -262,15 +262,15 @@ def test_a_waiting_island_says_how_many_islands_it_has_and_needs():
     out = io.StringIO()
 
     class Slow:  # a transport whose quorum forms once two lines with the lighthouse's counts are out
-        def quorum(self):
-            deadline = time.monotonic() + 60
+        def quorum(self, timeout):
+            deadline = time.monotonic() + min(timeout, 60)
             while out.getvalue().count("have 1 of 2") < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            return False
+            return None
 
     try:
         address = f"127.0.0.1:{server.server_address[1]}"
-        assert islands.QuorumWatch(Slow(), address, 2, every=0.05, out=out).quorum() is False
+        assert islands.QuorumWatch(Slow(), address, 2, every=0.05, out=out).quorum(60.0) is None
     finally:
         server.shutdown()
     lines = out.getvalue().splitlines()

@@ -15,9 +15,11 @@ The same packing runs inside a jitted step as a ``diloco(aggregate=...)``
 the reference for islands that join and leave.
 
 The host buffer also carries, per island slot, whether the island took part,
-its weight, its round and a tag of its anchor, so every participant learns
-from the same all-reduce who was in the round, and that they all merged the
-same round from the same anchor.
+its weight, its round, a tag of its anchor, whether it healed in the round,
+when its process joined, a random nonce and its settings, so every
+participant learns from the same all-reduce who was in the round, that they
+all merged the same round from the same anchor with the same settings, and
+whether two live islands claimed one slot.
 """
 
 from __future__ import annotations
@@ -56,13 +58,23 @@ def island_weight(rule: str, *, healed: bool, tokens: float) -> float:
 class Merged(NamedTuple):
     """A round's result, read off the summed buffer.
 
+    Every list but ``delta`` is per participant, in the order of ``participants``.
+    Each island writes only its own slot, so each value is that island's, except
+    where two live islands claimed one slot (``counts`` above 1): there the
+    values are their sums.
+
     Attributes:
       delta: the merged pseudo-gradient's leaves, ``sum_i w_i d_i / sum_i w_i``
         (zeros when every weight is 0).
       participants: the slots that took part, in increasing order.
-      weights: their weights, in the same order.
-      rounds: the round each participant said it was in, in the same order.
+      weights: their weights.
+      rounds: the round each participant said it was in.
       anchors: each participant's tag of its anchor before the round (see :func:`pack`).
+      counts: how many islands sent from each slot (1, unless ids clash).
+      behind: whether each participant healed in this round (1.0) or not (0.0).
+      joined: the round each participant's process joined the others in.
+      nonces: each participant's random number, drawn when its process started.
+      settings: each participant's settings vector (:data:`SETTINGS_SIZE` values).
     """
 
     delta: list[np.ndarray]
@@ -70,6 +82,11 @@ class Merged(NamedTuple):
     weights: list[float]
     rounds: list[int] = []
     anchors: list[int] = []
+    counts: list[int] = []
+    behind: list[float] = []
+    joined: list[int] = []
+    nonces: list[int] = []
+    settings: list[tuple[float, ...]] = []
 
     def agree(self) -> bool:
         """Whether every participant was in the same round from the same anchor."""
@@ -85,6 +102,10 @@ def island_share(merged: Merged, slot: int) -> float:
 
 
 TAG_BITS = 24  # a float32 holds every integer below 2**24 exactly
+NONCE_BITS = 22  # the sum of a few nonces stays below 2**24
+SETTINGS_SIZE = 8
+"""Values per island slot describing the settings every island of a run must share."""
+_FIELDS = 7  # present, weight, round, anchor, behind, joined, nonce
 
 
 def anchor_tag(sha256_hex: str) -> int:
@@ -92,35 +113,59 @@ def anchor_tag(sha256_hex: str) -> int:
     return int(sha256_hex[: TAG_BITS // 4], 16)
 
 
-def _tail(num_slots: int) -> int:
-    return 1 + 4 * num_slots
+def tail_size(num_slots: int) -> int:
+    """Floats a round's buffer carries after the pseudo-gradient: the weight, then per island slot
+    its presence, weight, round, anchor tag, heal flag, join round, nonce and settings."""
+    return 1 + (_FIELDS + SETTINGS_SIZE) * num_slots
 
 
 def pack(
-    leaves: Sequence[Any], weight: float, *, slot: int, num_slots: int, round: int = 0, anchor: int = 0
+    leaves: Sequence[Any],
+    weight: float,
+    *,
+    slot: int,
+    num_slots: int,
+    round: int = 0,
+    anchor: int = 0,
+    behind: bool = False,
+    joined: int = 0,
+    nonce: int = 0,
+    settings: Sequence[float] = (),
 ) -> np.ndarray:
     """The float32 buffer an island all-reduces.
 
-    ``[w * d (flat), w, present[slots], w[slots], round + 1[slots], anchor + 1[slots]]``:
-    after the sum, the slot vectors say who took part with which weight, in which round
-    (``round < 2**24 - 1``) and from which anchor (``anchor``: :func:`anchor_tag`), so that
-    every participant can check that they all merged the same round. A fresh, writable
-    array (an all-reduce may write into it in place).
+    ``[w * d (flat), w, then per slot: present, w, round, anchor, behind, joined,
+    nonce, settings]`` (:func:`tail_size` floats after ``d``): after the sum,
+    the slot values say who took part with which weight, in which round
+    (``round < 2**24``), from which anchor (``anchor``: :func:`anchor_tag`),
+    whether it healed in the round, in which round its process joined, with
+    which nonce (below ``2**22``) and settings (at most :data:`SETTINGS_SIZE`
+    integers below ``2**24``), so that every participant can check that they
+    all merged the same round. A fresh, writable array (an all-reduce may
+    write into it in place).
     """
     if not 0 <= slot < num_slots:
         raise ValueError(f"island slot {slot} is outside [0, {num_slots}).")
-    if not (0 <= round < 2**TAG_BITS - 1 and 0 <= anchor < 2**TAG_BITS - 1):
-        raise ValueError(f"`round` and `anchor` must be in [0, 2**24 - 1); got {round}, {anchor}.")
+    limit = 2**TAG_BITS
+    if not (0 <= round < limit and 0 <= anchor < limit and 0 <= joined < limit):
+        raise ValueError(
+            f"`round`, `anchor` and `joined` must be in [0, 2**24); got {round}, {anchor}, {joined}."
+        )
+    if not 0 <= nonce < 2**NONCE_BITS:
+        raise ValueError(f"`nonce` must be in [0, 2**{NONCE_BITS}); got {nonce}.")
+    if len(settings) > SETTINGS_SIZE:
+        raise ValueError(f"`settings` has {len(settings)} values; at most {SETTINGS_SIZE}.")
     sizes = [int(np.size(x)) for x in leaves]
     body = sum(sizes)
-    buf = np.zeros(body + _tail(num_slots), np.float32)
+    buf = np.zeros(body + tail_size(num_slots), np.float32)
     start = 0
     w = np.float32(weight)
     for x, n in zip(leaves, sizes):
         buf[start : start + n] = np.asarray(x, np.float32).reshape(-1) * w
         start += n
     buf[body] = w
-    for k, value in enumerate((1.0, w, round + 1, anchor + 1)):
+    values = (1.0, w, round, anchor, float(behind), joined, nonce, *settings)
+    for k, value in enumerate(values):
         buf[body + 1 + k * num_slots + slot] = value
     return buf
 
@@ -129,13 +174,14 @@ def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int) -> Merged:
     """The merged round from the summed buffer; ``like``: the leaves' shapes and dtypes."""
     sizes = [int(np.size(x)) for x in like]
     body = sum(sizes)
-    if buf.shape != (body + _tail(num_slots),):
+    if buf.shape != (body + tail_size(num_slots),):
         raise ValueError(
-            f"the summed buffer has {buf.shape[0]} entries; this fragment needs {body + _tail(num_slots)}: "
+            f"the summed buffer has {buf.shape[0]} entries; this fragment needs {body + tail_size(num_slots)}: "
             "the islands of one round exchanged different fragments or models."
         )
     total = np.float32(buf[body])
-    present, slot_w, rounds, anchors = buf[body + 1 :].reshape(4, num_slots)
+    table = buf[body + 1 :].reshape(_FIELDS + SETTINGS_SIZE, num_slots)
+    present, slot_w, rounds, anchors, behind, joined, nonces = table[:_FIELDS]
     out, start = [], 0
     for x, n in zip(like, sizes):
         piece = buf[start : start + n] / total if total > 0 else np.zeros(n, np.float32)
@@ -146,8 +192,13 @@ def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int) -> Merged:
         out,
         slots,
         [float(slot_w[i]) for i in slots],
-        [int(rounds[i]) - 1 for i in slots],
-        [int(anchors[i]) - 1 for i in slots],
+        [int(rounds[i]) for i in slots],
+        [int(anchors[i]) for i in slots],
+        [int(round(float(present[i]))) for i in slots],
+        [float(behind[i]) for i in slots],
+        [int(joined[i]) for i in slots],
+        [int(nonces[i]) for i in slots],
+        [tuple(float(v) for v in table[_FIELDS:, i]) for i in slots],
     )
 
 

@@ -1,12 +1,18 @@
-"""The islands' transport over torchft: its lighthouse, ``Manager``, reconfigurable gloo and HTTP healing.
+"""The islands' transport over torchft: its lighthouse, ``Manager`` and reconfigurable gloo, on one address.
 
 The only module of the library that imports torch (``pip install
 "jaxopt_dist[islands]"``). One :class:`TorchftTransport` per island (one
 process): a ``Manager`` of a replica group of one rank, whose quorum comes
-from torchft's lighthouse and whose all-reduce runs on a
-``ProcessGroupGloo`` that torchft rebuilds whenever the membership changes.
-A lagging island heals in the quorum from a peer's healing state, streamed
-over HTTP (pickled: islands must trust each other).
+from torchft's lighthouse and whose all-reduce runs on a gloo process group
+that torchft rebuilds whenever the membership changes. A lagging island heals
+in the quorum from a peer, over :mod:`.heal_http` (torchft's checkpoint
+transport interface, without pickle).
+
+Every server the island opens listens on its ``host`` and advertises it:
+the replica group's ``TCPStore`` (on which peers meet to build the process
+group), the gloo device and the healing server; torchft's ``ManagerServer``
+advertises it too, but listens on every interface (torchft binds it to
+``[::]`` itself).
 
 JAX buffers cross as NumPy: the packed round buffer is a fresh writable
 float32 array, wrapped by ``torch.from_numpy`` (no copy) and all-reduced in
@@ -25,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxopt_dist._src.islands.transport import ExchangeError, IslandsError, Transport
+from jaxopt_dist._src.islands import heal_http
+from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandsError, Transport
 
 
 @dataclasses.dataclass
@@ -46,32 +53,49 @@ class TorchftTransport(Transport):
     lighthouse: str
     min_islands: int = 2
     timeout: float = 10.0
+    heal_timeout: float = 60.0
     quorum_timeout: float = 120.0
     connect_timeout: float = 10.0
     quorum_retries: int = 0
     requery: float = 0.5
-    hostname: str = dataclasses.field(default_factory=socket.gethostname)
+    host: str | None = None
     _manager: Any = dataclasses.field(default=None, init=False, repr=False)
+    _pg: Any = dataclasses.field(default=None, init=False, repr=False)
     _store: Any = dataclasses.field(default=None, init=False, repr=False)
+    _listener: Any = dataclasses.field(default=None, init=False, repr=False)
+    _healing: Any = dataclasses.field(default=None, init=False, repr=False)
     _received: Any = dataclasses.field(default=None, init=False, repr=False)
-    _load: Any = dataclasses.field(default=None, init=False, repr=False)
+    _issued: bool = dataclasses.field(default=False, init=False, repr=False)
 
-    def bind(self, island_id: int, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+    def __post_init__(self):
+        for name in ("timeout", "heal_timeout", "quorum_timeout", "connect_timeout", "requery"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"`{name}` must be > 0 seconds; got {getattr(self, name)}.")
+
+    @property
+    def exchange_seconds(self) -> float:
+        return 2 * self.timeout  # the all-reduce, then the vote, each within the process group's timeout
+
+    def bind(self, island_id: int, serve: Callable[[], Any]) -> None:
         torch = _optional("torch")
         dist = _optional("torch.distributed")
         Manager = _optional("torchft.manager").Manager
-        ProcessGroupGloo = _optional("torchft.process_group").ProcessGroupGloo
 
         torch.set_num_threads(1)
-        self._store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
-
-        self._load = load
-
+        host = self.host or route_address(self.lighthouse)
+        self.host = host
+        self._listener = _listen(host)  # the store listens on this socket alone (kept open with it)
+        port = self._listener.getsockname()[1]
+        self._store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, master_listen_fd=self._listener.fileno()
+        )
         seconds = timedelta(seconds=self.timeout)
+        self._pg = _bound_gloo(host, seconds)
+        self._healing = _healing_transport(host, self.heal_timeout)
         self._manager = Manager(
-            pg=ProcessGroupGloo(timeout=seconds),
+            pg=self._pg,
             load_state_dict=self._received_state,
-            state_dict=save,
+            state_dict=serve,
             min_replica_size=self.min_islands,
             use_async_quorum=False,
             timeout=seconds,
@@ -79,11 +103,12 @@ class TorchftTransport(Transport):
             connect_timeout=timedelta(seconds=self.connect_timeout),
             rank=0,
             world_size=1,
-            store_addr="localhost",
-            store_port=self._store.port,
+            store_addr=host,
+            store_port=port,
             lighthouse_addr=self.lighthouse if "://" in self.lighthouse else f"http://{self.lighthouse}",
             replica_id=f"island_{island_id}",
-            hostname=self.hostname,
+            hostname=f"[{host}]" if ":" in host else host,
+            checkpoint_transport=self._healing,
             init_sync=False,
             quorum_retries=self.quorum_retries,
         )
@@ -92,7 +117,7 @@ class TorchftTransport(Transport):
         """torchft's ``load_state_dict``: kept until :meth:`quorum` knows whether the heal is real."""
         self._received = state
 
-    def quorum(self) -> bool:
+    def quorum(self, timeout: float) -> Healed | None:
         """Asks the lighthouse again every ``requery`` seconds until a quorum forms (see the class).
 
         A renewal can leave an older request of this island at the lighthouse,
@@ -101,9 +126,12 @@ class TorchftTransport(Transport):
         heal (the step unchanged by it) is not passed on: the island keeps its
         own state and takes part as usual.
         """
-        self._received = None
+        self._received, self._issued = None, False
+        start = time.monotonic()
         before = self._manager.current_step()
-        deadline = time.monotonic() + self.quorum_timeout
+        deadline = start + min(self.quorum_timeout, timeout)
+        if self._healing is not None:
+            self._healing.deadline = start + min(self.heal_timeout, timeout)
         while True:
             wait = min(self.requery, max(deadline - time.monotonic(), 0.001))
             try:
@@ -112,31 +140,55 @@ class TorchftTransport(Transport):
             except Exception as e:  # torchft raises its Rust client's timeout or a RuntimeError
                 self._manager._quorum_future = None  # torchft would raise the same error again
                 if time.monotonic() >= deadline:
-                    raise IslandsError(f"no quorum of islands within {self.quorum_timeout} s: {e}") from e
+                    raise IslandsError(
+                        f"no quorum of islands within {min(self.quorum_timeout, timeout):g} s: {e}"
+                    ) from e
         if self._manager.errored():
             raise ExchangeError(f"the quorum failed: {self._manager.errored()}")
         received, self._received = self._received, None
-        healed = received is not None and self._manager.current_step() != before
-        if healed:
-            self._load(received)
-        return healed
+        if received is None or self._manager.current_step() == before:
+            return None
+        seconds = self._healing.seconds if self._healing is not None else 0.0
+        return Healed(received, seconds)
 
     def allreduce(self, buf: np.ndarray) -> np.ndarray:
         torch = _optional("torch")
         tensor = torch.from_numpy(buf)
+        self._issued = True
         self._manager.allreduce(tensor, reduce_op=_optional("torch.distributed").ReduceOp.SUM).wait()
         if self._manager.errored():
             raise ExchangeError(f"the all-reduce failed: {self._manager.errored()}")
         return buf
 
-    def abort(self, reason: str) -> None:
-        self._manager.report_error(RuntimeError(reason))
-
-    def commit(self) -> bool:
-        ok = bool(self._manager.should_commit())
-        if not ok:  # rebuild the process group at the next quorum, even if its id comes back the same
+    def commit(self, ok: bool) -> bool:
+        """The vote: an all-reduce of each member's failure (0 or 1) on the round's process group; the
+        round commits when its sum is 0. A member that issued no all-reduce this attempt (its quorum
+        failed) does not vote, so that no member pairs its vote with another's exchange; the others'
+        vote then fails within the timeout."""
+        agreed = self._issued and self._vote(ok and not self._manager.errored())
+        if not agreed:
+            self._manager.report_error(RuntimeError("not every member of the round voted to commit"))
+        committed = bool(self._manager.should_commit())
+        if not committed:  # rebuild the process group at the next quorum, even if its id comes back the same
             self._manager._quorum_id = -1  # (a restarted lighthouse counts quorum ids from 0 again)
-        return ok
+        return committed
+
+    def _vote(self, ok: bool) -> bool:
+        torch = _optional("torch")
+        dist = _optional("torch.distributed")
+        failed = torch.tensor([0.0 if ok else 1.0])
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        try:
+            self._pg.allreduce([failed], opts).wait()
+        except Exception:  # a member died or stalled past the timeout: no agreement
+            return False
+        return float(failed[0]) == 0.0
+
+    def fall_behind(self) -> None:
+        state = self._manager.state_dict()
+        if state["step"] > 0:
+            self._manager.load_state_dict({**state, "step": state["step"] - 1})
 
     def rounds_committed(self) -> int:
         return int(self._manager.current_step())
@@ -144,6 +196,90 @@ class TorchftTransport(Transport):
     def close(self) -> None:
         if self._manager is not None:
             self._manager.shutdown(wait=False)
+
+
+def route_address(lighthouse: str) -> str:
+    """This host's address on the route to ``lighthouse`` (``HOST:PORT``): what peers on the same
+    network reach it at, found without sending anything."""
+    target = lighthouse.split("://")[-1]
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    family, kind, _, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as s:
+        s.connect(address)
+        return str(s.getsockname()[0])
+
+
+def _listen(host: str) -> socket.socket:
+    family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind)
+    s.bind(address)
+    s.listen(128)
+    return s
+
+
+def _bound_gloo(host: str, timeout: timedelta) -> Any:
+    """torchft's reconfigurable ``ProcessGroupGloo``, its gloo device bound to ``host``.
+
+    torchft builds each new group with gloo's default device, which binds the
+    address the machine's host name resolves to (often 127.0.0.1), and
+    advertises it to the peers through the store.
+    """
+    dist = _optional("torch.distributed")
+    torch = _optional("torch")
+    ProcessGroupGloo = _optional("torchft.process_group").ProcessGroupGloo
+
+    class BoundGloo(ProcessGroupGloo):
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            opts._timeout = self._timeout
+            opts._threads = 2
+            backend = dist.ProcessGroupGloo(store, rank, world_size, opts)
+            backend._set_sequence_number_for_group()
+            pg = dist.ProcessGroup(store, rank, world_size)
+            pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+            return pg
+
+    return BoundGloo(timeout=timeout)
+
+
+def _healing_transport(host: str, heal_timeout: float) -> Any:
+    """torchft's ``CheckpointTransport`` over :class:`~.heal_http.HealServer` on ``host``: no pickle, and
+    a heal bounded by ``heal_timeout`` (and the round's deadline), not by the exchange's timeout."""
+    CheckpointTransport = _optional("torchft.checkpointing.transport").CheckpointTransport
+
+    class Healing(CheckpointTransport):
+        def __init__(self) -> None:
+            self.server = heal_http.HealServer(host, send_timeout=heal_timeout)
+            self.deadline = time.monotonic() + heal_timeout
+            self.seconds = 0.0
+
+        def metadata(self) -> str:
+            return self.server.url
+
+        def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: Any) -> None:
+            del dst_ranks, timeout
+            self.server.stage(step, state_dict)
+
+        def disallow_checkpoint(self) -> None:
+            """Kept served: torchft calls this when the source's attempt ends, which may be before a
+            peer healing in it (slower than the exchange's timeout) has asked; the state is immutable
+            and served only under its step, so a late request still gets what its quorum named."""
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any) -> Any:
+            del src_rank, timeout
+            start = time.monotonic()
+            state = heal_http.fetch(f"{metadata}{step}", deadline=self.deadline)
+            self.seconds = time.monotonic() - start
+            return state
+
+        def shutdown(self, wait: bool = True) -> None:
+            del wait
+            self.server.close()
+
+    return Healing()
 
 
 def start_lighthouse(

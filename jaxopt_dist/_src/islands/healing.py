@@ -1,0 +1,109 @@
+"""Healing, on the island's side: what it serves a lagging peer, and how it takes a state it healed to.
+
+An island serves the state it had when its current round launched (its
+parameters and optimizer state, with its :class:`~.protocol.Settings`); a
+peer behind it takes that, weighs 0 in the round, and lands the round's
+merged result on it, ending the round with the same anchor. When this island
+itself heals in a round, it serves from then on the state it healed to: a
+retry of the round may choose it as the source for another island, which
+must get what the others hold, not what this island held before.
+
+Threads: :meth:`Healing.keep` runs in the island's main thread (at each
+launch), :meth:`Healing.adopt` in its round thread, :meth:`Healing.serve` in
+the transport's threads; a lock guards the one state they share.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxopt_dist._src.islands import broadcast
+from jaxopt_dist._src.islands.protocol import Settings
+from jaxopt_dist._src.islands.transport import IslandRefused, IslandsError
+
+
+class Healing:
+    """One island's healing state (see the module).
+
+    Args:
+      island_id: the island's slot (for messages).
+      settings: the island's settings, served with its state and checked on a state it takes.
+      residuals: a tree like the optimizer state's ``aggregate_states``, True
+        where a leaf is per worker (an aggregate's residual: owed by the
+        source, not by a healed island, so zeroed on adoption).
+    """
+
+    def __init__(self, island_id: int, settings: Settings, residuals: Any):
+        self.island_id, self.settings, self.residuals = island_id, settings, residuals
+        self._lock = threading.Lock()
+        self._trees: Any = None  # (params, opt_state): placed arrays, or host trees after a heal
+        self._host: Any = None  # its host leaves, when taken
+
+    def keep(self, params: Any, opt_state: Any) -> None:
+        """The state a peer heals from in the round that launches now. On an island of several
+        processes whose state is sharded over its devices, its host copy is gathered here, by every
+        process: the transport asks for it in the first process's threads, where no collective runs."""
+        host = _leaves(params, opt_state) if broadcast.gathers((params, opt_state)) else None
+        with self._lock:
+            self._trees, self._host = (params, opt_state), host
+
+    def serve(self) -> dict[str, Any]:
+        """The healing state a lagging peer takes (called from the transport's threads)."""
+        with self._lock:
+            trees, host = self._trees, self._host
+        if host is None:
+            host = _leaves(*trees)
+        return {**host, "settings": self.settings._asdict()}
+
+    def adopt(self, state: Any) -> tuple[Any, Any]:
+        """A served state as host ``(params, opt_state)`` shaped like this island's, its residuals zeroed;
+        served from now on. Raises :class:`IslandRefused` when the source's settings differ."""
+        theirs = state.get("settings") if isinstance(state, dict) else None
+        if not isinstance(theirs, dict) or set(theirs) != set(Settings._fields):
+            raise IslandRefused(f"island {self.island_id} is refused: its healing source sent no settings.")
+        words = self.settings.differences(
+            Settings(**{k: int(v) for k, v in theirs.items()}), "its healing source"
+        )
+        if words:
+            raise IslandRefused(
+                f"island {self.island_id} is refused: its settings differ from the others': "
+                + "; ".join(words)
+            )
+        with self._lock:
+            params, opt_state = self._trees
+        new_params = _host_like(params, state["params"])
+        new_state = _host_like(opt_state, state["opt_state"])
+        agg = jax.tree.map(
+            lambda x, m: np.zeros_like(x) if m else x, new_state.aggregate_states, self.residuals
+        )
+        trees = (new_params, new_state._replace(aggregate_states=agg))
+        with self._lock:
+            self._trees, self._host = trees, _leaves(*trees)
+        return trees
+
+
+def _leaves(params: Any, opt_state: Any) -> dict[str, list[np.ndarray]]:
+    return {
+        "params": [broadcast.host(x) for x in jax.tree.leaves(params)],
+        "opt_state": [broadcast.host(x) for x in jax.tree.leaves(opt_state)],
+    }
+
+
+def _host_like(template: Any, leaves: Any) -> Any:
+    """Host ``leaves`` in ``template``'s tree, checked against its shapes."""
+    targets, treedef = jax.tree.flatten(template)
+    if (
+        not isinstance(leaves, list)
+        or len(leaves) != len(targets)
+        or any(np.shape(a) != t.shape for a, t in zip(leaves, targets))
+    ):
+        shapes = [np.shape(a) for a in leaves] if isinstance(leaves, list) else type(leaves).__name__
+        raise IslandsError(
+            "the healing state does not fit this island's model: "
+            f"{shapes[:4]}... against {[t.shape for t in targets][:4]}..."
+        )
+    return jax.tree.unflatten(treedef, [np.asarray(a, t.dtype) for a, t in zip(leaves, targets)])
