@@ -421,18 +421,24 @@ def _permute_rows(text):
 
 
 @pytest.mark.parametrize(
-    "n,method,expected,rows",
+    "n,method,expected,calls,rows",
     [
-        (8, "butterfly", {"collective-permute": 3, "all-gather": 1}, [8, 8, 8]),
-        (8, "halving", {"collective-permute": 3, "all-reduce": 6, "all-gather": 1}, [1, 2, 4]),
-        (6, "butterfly", {"collective-permute": 3, "all-gather": 1}, [4, 4, 4]),
-        (6, "halving", {"collective-permute": 3, "all-reduce": 4, "all-gather": 1}, [1, 2, 4]),
+        (8, "butterfly", {"collective-permute": 3, "all-gather": 1}, 4, [8, 8, 8]),
+        (8, "halving", {"collective-permute": 3, "all-reduce": 4, "all-gather": 1}, 10, [1, 2, 4]),
+        (6, "butterfly", {"collective-permute": 3, "all-gather": 1}, 4, [4, 4, 4]),
+        (6, "halving", {"collective-permute": 3, "all-reduce": 3, "all-gather": 1}, 8, [1, 2, 4]),
     ],
 )
-def test_collectives_per_step(n, method, expected, rows):
-    # Leaves of one dtype share one buffer: counts do not grow with the number of leaves.
-    text = _compiled(adasum(method=method), n, {"w": (16, 3), "b": (5,), "s": ()})
+def test_collectives_per_step(n, method, expected, calls, rows):
+    # Leaves of one dtype share one buffer: counts do not grow with the number of leaves. The
+    # levels of the tree run in one loop: each level's permute (and, halving, its pmax over the
+    # group) in a branch of its own, the group's psum of the dot products once in the loop's body.
+    shapes = {"w": (16, 3), "b": (5,), "s": ()}
+    text = _compiled(adasum(method=method), n, shapes)
     assert helpers.count_collectives(text) == expected
+    # Run per step: a permute per level, and halving's pmax and psum per level, and the gather.
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    assert jd.communication_cost(adasum(method=method), params, num_workers=n).calls == calls
     # Buffer rows sent per round: all p rows (butterfly) vs halving p/2, p/4, ... (and the fold).
     assert _permute_rows(text) == rows
 

@@ -116,8 +116,9 @@ class _Layout:
 
     def unpack(self, buf: jax.Array) -> list[jax.Array]:
         out: list[Any] = [None] * len(self.order)
-        for i, o, c, s, shape in zip(self.order, self.offsets, self.cols, self.sizes, self.shapes):
-            out[i] = buf[:, o : o + c].reshape(-1)[:s].reshape(shape)
+        cut = base.pieces(buf, zip(self.offsets, self.cols), axis=1)  # one kernel per width
+        for i, x, s, shape in zip(self.order, cut, self.sizes, self.shapes):
+            out[i] = x.reshape(-1)[:s].reshape(shape)
         return out
 
     def _views(self, buf: jax.Array) -> list[jax.Array]:
@@ -565,38 +566,83 @@ def _butterfly(tree: _Tree, bufs: list[jax.Array]) -> list[jax.Array]:
     return jax.lax.fori_loop(0, len(levels), level, bufs)
 
 
-def _halving_level(tree: _Tree, bufs: list[jax.Array], s: int) -> list[jax.Array]:
-    """Level ``s`` of recursive halving.
+def _halving(tree: _Tree, bufs: list[jax.Array]) -> list[jax.Array]:
+    """Recursive halving, every level in one loop: the arithmetic is compiled once.
 
-    Each worker keeps the half of the rows it owns, sends the other half to
-    its partner, and the partial dot products are summed over the group of
-    ``2**(s+1)`` workers that share a pair.
+    At level ``s`` each worker keeps the half of its ``p >> s`` rows it owns,
+    sends the other half to its partner, and the partial dot products are
+    summed over the group of ``2**(s+1)`` workers that share a pair. The
+    exchanges, whose sizes differ by level, are the branches of a
+    ``lax.switch`` on the level; the arithmetic runs on ``p / 2`` rows at every
+    level, the rows beyond the level's half zero (they add nothing to a
+    maximum or a sum, and pair to zeros). Returns the buffers with the
+    result's row first.
     """
-    p, idx, axis_name, layouts = tree.p, tree.idx, tree.axis_name, tree.layouts
+    p, idx, layouts = tree.p, tree.idx, tree.layouts
+    rounds = p.bit_length() - 1
+    splits = np.cumsum([len(lay.cols) for lay in layouts])[:-1]
+
+    def level(s, bufs):
+        low = ((idx >> s) & 1) == 0  # this worker holds the first argument of A
+        keep, recv = _one_of(rounds, lambda k: lambda b: _halving_exchange(tree, b, low, k), s, bufs)
+        # The scale of each vector is the largest over the rows the group holds.
+        local = jnp.concatenate([lay.exponents(x, y, low) for lay, x, y in zip(layouts, keep, recv)], axis=1)
+        top = _one_of(rounds, lambda k: lambda e: _group_exponents(tree, e, k), s, local)
+        exps = [_settle(e) for e in jnp.split(top, splits, axis=1)]
+        partial = [lay.dots(x, y, low, e) for lay, x, y, e in zip(layouts, keep, recv, exps)]
+        dots = jnp.split(_group_dots(tree, jnp.concatenate(partial, -1), s), splits, axis=-1)
+        out = [lay.combine(x, y, low, d, e) for lay, x, y, d, e in zip(layouts, keep, recv, dots, exps)]
+        return [jnp.pad(x, ((0, p - x.shape[0]), (0, 0))) for x in out]
+
+    return jax.lax.fori_loop(0, rounds, level, bufs) if rounds > 1 else level(0, bufs)
+
+
+def _one_of(count: int, make: Any, s: Any, *operands: Any) -> Any:
+    """``make(k)(*operands)`` for the level ``k = s``: a ``lax.switch`` over the ``count`` levels."""
+    if count == 1:
+        return make(0)(*operands)
+    return jax.lax.switch(s, [make(k) for k in range(count)], *operands)
+
+
+def _halving_exchange(tree: _Tree, bufs: list[jax.Array], low: jax.Array, s: int) -> Any:
+    """Level ``s``'s halves: (kept, received), each zero padded to ``p / 2`` rows."""
+    p = tree.p
+    half = p >> (s + 1)
     pairs = [(i, i ^ (1 << s)) for i in range(p)] + [(e, e) for e in range(p, tree.n)]
-    low = ((idx >> s) & 1) == 0  # this worker holds the first argument of A
-    half = bufs[0].shape[0] // 2
     start = jnp.where(low, 0, half)
     keep = [jax.lax.dynamic_slice_in_dim(x, start, half, axis=0) for x in bufs]
     send = [jax.lax.dynamic_slice_in_dim(x, half - start, half, axis=0) for x in bufs]
-    recv = comm.ppermute(send, axis_name, pairs, caller="adasum")
+    recv = comm.ppermute(send, tree.axis_name, pairs, caller="adasum")
+    padded = [[jnp.pad(x, ((0, p // 2 - half), (0, 0))) for x in part] for part in (keep, recv)]
+    return padded[0], padded[1]
+
+
+def _group_exponents(tree: _Tree, local: jax.Array, s: int) -> jax.Array:
+    """Per leaf, the largest of level ``s``'s exponents ``local`` ``(2, L)`` over this worker's group."""
+    p, idx = tree.p, tree.idx
     num_groups = p >> (s + 1)
-    group = jnp.minimum(idx >> (s + 1), num_groups - 1)
     onehot = (jnp.arange(num_groups) == idx >> (s + 1)) & (idx < p)
-    splits = np.cumsum([len(lay.cols) for lay in layouts])[:-1]
-    # The scale of each vector is the largest over the rows the group holds.
-    local = jnp.concatenate([lay.exponents(x, y, low) for lay, x, y in zip(layouts, keep, recv)], axis=1)
     slots = jnp.where(onehot[:, None, None], local[None], jnp.full_like(local[None], _NO_EXPONENT))
-    top = jax.lax.dynamic_index_in_dim(comm.pmax(slots, axis_name, caller="adasum"), group, keepdims=False)
-    exps = [_settle(e) for e in jnp.split(top, splits, axis=1)]
-    # The partial dot products (two-floats) travel one slot per worker, so the
-    # psum adds only zeros to them; each group adds its members' in a fixed order.
-    partial = [lay.dots(x, y, low, e) for lay, x, y, e in zip(layouts, keep, recv, exps)]
-    slots = jnp.where((jnp.arange(p) == idx)[:, None, None, None], jnp.concatenate(partial, -1)[None], 0.0)
-    width = 1 << (s + 1)
-    members = jax.lax.dynamic_slice_in_dim(comm.psum(slots, axis_name, caller="adasum"), group * width, width)
-    dots = jnp.split(_sum_two_floats(members), splits, axis=-1)  # (2, 3, L) each
-    return [lay.combine(x, y, low, d, e) for lay, x, y, d, e in zip(layouts, keep, recv, dots, exps)]
+    group = jnp.minimum(idx >> (s + 1), num_groups - 1)
+    return jax.lax.dynamic_index_in_dim(
+        comm.pmax(slots, tree.axis_name, caller="adasum"), group, keepdims=False
+    )
+
+
+def _group_dots(tree: _Tree, partial: jax.Array, s: Any) -> jax.Array:
+    """The sum over this worker's group of level ``s`` of the partial dot products ``(2, 3, L)``.
+
+    They travel one slot per worker, so the psum adds only zeros to them; the
+    group's slots (an aligned block of ``2**(s+1)``) are added pairwise in a
+    fixed order, the others set to zero first (adding zeros is exact).
+    """
+    p, idx = tree.p, tree.idx
+    slots = jnp.where((jnp.arange(p) == idx)[:, None, None, None], partial[None], 0.0)
+    summed = comm.psum(slots, tree.axis_name, caller="adasum")
+    first = jnp.minimum(idx >> (s + 1), (p >> (s + 1)) - 1) << (s + 1)
+    rows = jnp.arange(p)
+    member = (rows >= first) & (rows < first + (1 << (s + 1)))
+    return _sum_two_floats(jnp.where(member[:, None, None, None], summed, 0.0))
 
 
 def _run_tree(
@@ -627,8 +673,8 @@ def _run_tree(
             recv = comm.ppermute(bufs, axis_name, fold, caller="adasum")
             folded = tree.pair(bufs, recv, jnp.asarray(first)[tree.idx])
             bufs = [jnp.where(jnp.asarray(keep)[tree.idx], x, y) for x, y in zip(folded, bufs)]
-        for s in range(rounds):
-            bufs = _halving_level(tree, bufs, s)
+        if rounds:
+            bufs = _halving(tree, bufs)
         # Every primary worker holds the 1/p slice of rows it owns.
         rows = [x[0] for x in bufs]
         order = np.array([_bit_reverse(i, rounds) for i in range(p)], dtype=np.int32)
@@ -748,9 +794,12 @@ def adasum(
     Compilation:
       The arithmetic runs on whole buffers, one operation per set of leaves
       of equal size (per-leaf scalars broadcast, per-leaf sums batched), and
-      the butterfly's levels run in one loop: the program does not grow with
-      the number of leaves, nor (``"butterfly"``) with the number of workers.
-      ``"halving"`` compiles each of its ``log2 p`` levels, whose shapes differ.
+      the levels of the tree run in one loop: the program does not grow with
+      the number of leaves, and with the number of workers only by the
+      exchanges of each level. ``"halving"`` computes every level on ``p / 2``
+      rows, the rows it does not hold zero, so its arithmetic is at most
+      ``log2(p) / 2`` times what it holds (fewer than ``"butterfly"``'s
+      ``log2 p`` whole buffers); its bytes are unchanged.
 
     Sharded parameters:
       Needs whole leaves: the coefficients come from each leaf's dot product,

@@ -150,7 +150,9 @@ def _choose(tiles: base.LeafGroups, stacks: list[_Stack]) -> tuple[list[jax.Arra
     payload, kept = [], []
     for ids in tiles.groups:
         lay = stacks[ids[0]].lay
-        values, idx = _select(_encode(jnp.concatenate([_to_tiles(stacks[i].m, stacks[i].lay) for i in ids])), lay.k)
+        values, idx = _select(
+            _encode(jnp.concatenate([_to_tiles(stacks[i].m, stacks[i].lay) for i in ids])), lay.k
+        )
         kept.append(_decode(_scatter(values.shape[0], lay.b1 * lay.b2, idx, values), lay.b1, lay.b2))
         payload += [values, idx.astype(index_dtype(lay.b1 * lay.b2))]
     return payload, _cut(kept, tiles, stacks)

@@ -21,7 +21,6 @@ momentum SGD keeps moving the part of the gradient that lies outside it:
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -98,14 +97,9 @@ def _flatten(tree: Any, dtype: Any = jnp.float32) -> jax.Array:
 
 
 def _unflatten(vec: jax.Array, like: Any) -> Any:
-    """Splits a flat vector into leaves shaped (and typed) like ``like``."""
+    """Splits a flat vector into leaves shaped like ``like`` (:func:`base.unpack`: one kernel per size)."""
     leaves, treedef = jax.tree.flatten(like)
-    out, start = [], 0
-    for x in leaves:
-        size = math.prod(np.shape(x))
-        out.append(vec[start : start + size].reshape(np.shape(x)))
-        start += size
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, base.unpack(vec, [np.shape(x) for x in leaves]))
 
 
 def flatten_params(params: Any) -> np.ndarray:
