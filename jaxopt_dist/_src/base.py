@@ -417,3 +417,68 @@ def registered(table: weakref.WeakKeyDictionary, tx: Any) -> Any:
         return table.get(update) if update is not None else None
     except TypeError:  # not weak-referenceable
         return None
+
+
+# ----------------------------------------------------------------------------
+# Pieces of one array, cut at offsets the compiler does not see.
+#
+# XLA:CPU compiles each distinct fused kernel on its own (tens of milliseconds
+# each) and reuses one kernel for identical ones. A static slice writes its
+# start into its kernel and into every consumer it fuses into, so cutting a
+# stack or a flat buffer back into ``L`` leaves compiles ``L`` kernels per
+# consumer. Here each start is an int32 scalar passed through an optimization
+# barrier, which the compiler cannot fold: pieces of one shape, and their
+# consumers, share one kernel. The values are a plain copy (bit for bit).
+
+
+def _opaque_starts(starts: Any) -> list[jax.Array]:
+    """Each start as an int32 scalar that the compiler cannot constant-fold."""
+    starts = list(starts)
+    if not starts:
+        return []
+    return list(jax.lax.optimization_barrier([jnp.asarray(int(s), jnp.int32) for s in starts]))
+
+
+def pieces(x: jax.Array, spans: Any) -> list[jax.Array]:
+    """``[x[start : start + size] for start, size in spans]`` (along axis 0), one kernel per size.
+
+    See the comment above: the starts are hidden from the compiler, so equal
+    sizes compile once whatever their offsets.
+    """
+    spans = [(int(s), int(n)) for s, n in spans]
+    starts = _opaque_starts(s for s, _ in spans)
+    return [jax.lax.dynamic_slice_in_dim(x, s, n, axis=0) for s, (_, n) in zip(starts, spans)]
+
+
+def rows(x: jax.Array, count: int | None = None) -> list[jax.Array]:
+    """``[x[0], ..., x[count - 1]]`` (all rows by default), one kernel for all of them."""
+    count = x.shape[0] if count is None else int(count)
+    starts = _opaque_starts(range(count))
+    return [jax.lax.dynamic_index_in_dim(x, s, axis=0, keepdims=False) for s in starts]
+
+
+def unpack(flat: jax.Array, shapes: Any) -> list[jax.Array]:
+    """Consecutive pieces of the 1-D ``flat``, reshaped to ``shapes`` (entries past them ignored)."""
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    sizes = [math.prod(s) for s in shapes]
+    offsets = np.cumsum([0, *sizes[:-1]]) if sizes else []
+    cut = pieces(flat, zip(offsets, sizes))
+    return [p.reshape(s) for p, s in zip(cut, shapes)]
+
+
+def by_dtype(arrays: Any, op: Any) -> list[jax.Array]:
+    """``op`` of the arrays packed into one flat buffer per dtype, cut back with :func:`unpack`.
+
+    ``op`` maps a 1-D array to one of the same length (e.g. a sum over the
+    workers); buffers are in order of each dtype's first array.
+    """
+    arrays = list(arrays)
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(jnp.result_type(x), []).append(i)
+    out: list[Any] = [None] * len(arrays)
+    for idx in groups.values():
+        flat = op(jnp.concatenate([jnp.ravel(arrays[i]) for i in idx]))
+        for i, x in zip(idx, unpack(flat, [np.shape(arrays[i]) for i in idx])):
+            out[i] = x
+    return out
