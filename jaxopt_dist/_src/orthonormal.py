@@ -261,11 +261,9 @@ def stack_group(
 
 def unstack_group(stacked: jax.Array, views: dict[int, MatrixView], g: Group) -> dict[int, jax.Array]:
     """Inverse of :func:`stack_group` on ``(count, ...)`` rows (owned, then rest): leaf index -> leaf-shaped array."""
-    out, offset = {}, 0
-    for i, b in g.members:
-        out[i] = views[i].from_matrices(stacked[offset : offset + b])
-        offset += b
-    return out
+    starts = np.cumsum([0] + [b for _, b in g.members[:-1]])
+    cut = base.pieces(stacked, [(s, b) for s, (_, b) in zip(starts, g.members)])
+    return {i: views[i].from_matrices(x) for (i, _), x in zip(g.members, cut)}
 
 
 def reduce_to_owners(
@@ -333,13 +331,9 @@ def split_dense(chunks: Sequence[jax.Array], dense: Sequence[Any]) -> list[jax.A
             dtypes.append(dt)
     out: list[Any] = [None] * len(dense)
     for dt, gathered in zip(dtypes, chunks):
-        flat = gathered.reshape(-1)
-        offset = 0
-        for i, x in enumerate(dense):
-            if jnp.result_type(x) == dt:
-                size = math.prod(np.shape(x))
-                out[i] = flat[offset : offset + size].reshape(np.shape(x))
-                offset += size
+        members = [i for i, x in enumerate(dense) if jnp.result_type(x) == dt]
+        for i, x in zip(members, base.unpack(gathered.reshape(-1), [np.shape(dense[i]) for i in members])):
+            out[i] = x
     return out
 
 

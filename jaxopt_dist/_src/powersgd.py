@@ -181,7 +181,7 @@ def _transpose_product(mats: list[jax.Array], p: jax.Array) -> jax.Array:
     ``M^T P`` directly makes it transpose ``M`` in memory first (about 8x
     slower on ResNet-18's largest matrices).
     """
-    qt = jnp.stack([jnp.einsum("nr,nm->rm", p[j], a) for j, a in enumerate(mats)])
+    qt = jnp.stack([jnp.einsum("nr,nm->rm", pj, a) for pj, a in zip(base.rows(p), mats)])
     # The barrier stops XLA from folding the transpose into the dot's output
     # layout, which makes the dot itself several times slower on CPU.
     return jnp.swapaxes(jax.lax.optimization_barrier(qt), 1, 2)
@@ -193,7 +193,7 @@ def _product(mats: list[jax.Array], q: jax.Array) -> jax.Array:
     One matmul per matrix: stacking the matrices into one batch would copy
     them all once more (the bulk of the gradient) for no faster product.
     """
-    return jnp.stack([a @ q[j] for j, a in enumerate(mats)])
+    return jnp.stack([a @ qj for qj, a in zip(base.rows(q), mats)])
 
 
 _OUTER_RANKS = 2  # up to this rank, P Q^T is a sum of outer products (see _outer_product)
@@ -491,8 +491,8 @@ def powersgd(
             out = list(leaves)
             contribution = list(leaves)
             for g, a, b in zip(groups, p, q):
-                for j, i in enumerate(g.leaves):
-                    x = _outer_product(a[j], b[j]).reshape(leaves[i].shape).astype(leaves[i].dtype)
+                for i, aj, bj in zip(g.leaves, base.rows(a), base.rows(b)):
+                    x = _outer_product(aj, bj).reshape(leaves[i].shape).astype(leaves[i].dtype)
                     out[i] = x
                     contribution[i] = x
             for i, x in zip(plan.dense, dense_mean):
@@ -511,9 +511,11 @@ def powersgd(
         def mean(arrays):
             # A leaf typed invariant (updates that arrived reduced, with a replicated residual)
             # is the same on every worker: its own mean, and what follows from it stays invariant.
-            return comm.reduce(
-                list(arrays), axis_name, flatten=True, caller="powersgd", invariant_updates="mean"
-            )
+            kw = dict(flatten=True, caller="powersgd", invariant_updates="mean")
+            if any(comm.reduced_axes(list(arrays), axis_name)):
+                return comm.reduce(list(arrays), axis_name, **kw)
+            # One flat buffer per dtype, cut back at offsets hidden from the compiler (base.unpack).
+            return base.by_dtype(arrays, lambda flat: comm.reduce(flat, axis_name, **kw))
 
         def cast_like(new, old):
             return tuple(x.astype(o.dtype) for x, o in zip(new, old))
