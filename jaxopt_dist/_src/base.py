@@ -417,3 +417,49 @@ def registered(table: weakref.WeakKeyDictionary, tx: Any) -> Any:
         return table.get(update) if update is not None else None
     except TypeError:  # not weak-referenceable
         return None
+
+
+# ----------------------------------------------------------------------------
+# Per-leaf work compiled once per shape: XLA compiles identical kernels once, so
+# per-leaf code must not differ from leaf to leaf by a constant (an offset into
+# a buffer, a leaf's number); such values reach the program as run-time values.
+
+
+def cut(buffer: jax.Array, sizes: Any, *, axis: int = 0) -> list[jax.Array]:
+    """``buffer`` cut along ``axis`` into consecutive pieces of ``sizes`` entries (static ints).
+
+    The same values as static slices, but the offsets reach the program as
+    run-time values (through an ``optimization_barrier``), so that pieces of
+    one size share one compiled kernel, which XLA compiles once; with
+    constant offsets every piece is a kernel of its own (about 20 ms of
+    XLA:CPU compile time each). Cutting one buffer into a 12-layer GPT's 148
+    leaves (8 shapes) compiled in 0.4 s this way and in 3.7 s with slices.
+    The buffer passes the same barrier, so it is computed once, as a whole:
+    otherwise XLA would fuse its computation into the kernel of every piece,
+    which grows the program by that computation per piece.
+    """
+    sizes = [int(s) for s in sizes]
+    axis = axis % buffer.ndim
+    if len(sizes) <= 1 or buffer.shape[axis] >= 2**31:
+        offsets = np.cumsum([0, *sizes]).tolist()
+        return [jax.lax.slice_in_dim(buffer, a, b, axis=axis) for a, b in zip(offsets, offsets[1:])]
+    starts = [jnp.int32(v) for v in np.cumsum([0, *sizes[:-1]])]
+    buffer, *starts = jax.lax.optimization_barrier((buffer, *starts))
+    return [jax.lax.dynamic_slice_in_dim(buffer, s, d, axis=axis) for s, d in zip(starts, sizes)]
+
+
+def split_flat_cut(flat: jax.Array, leaves: Any, treedef: Any) -> Any:
+    """:func:`split_flat`, the pieces cut at run-time offsets (:func:`cut`)."""
+    pieces = cut(flat, [math.prod(np.shape(x)) for x in leaves])
+    return jax.tree.unflatten(
+        treedef, [p.reshape(np.shape(x)).astype(jnp.result_type(x)) for p, x in zip(pieces, leaves)]
+    )
+
+
+def unstack_cut(groups: LeafGroups, stacked: Any) -> list[Any]:
+    """:meth:`LeafGroups.unstack`, each leaf cut out of its stack at a run-time offset (:func:`cut`)."""
+    out: list[Any] = [None] * groups.count
+    for ids, x in zip(groups.groups, stacked):
+        for i, row in zip(ids, cut(x, [1] * len(ids))):
+            out[i] = row[0]
+    return out

@@ -125,7 +125,7 @@ def _low_bit_compressor(
         )
         out = _decode(gathered, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
         sent = _decode(mine, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
-        return base.split_flat(out, leaves, treedef), base.split_flat(sent, leaves, treedef)
+        return base.split_flat_cut(out, leaves, treedef), base.split_flat_cut(sent, leaves, treedef)
 
     return ef.stateless_compressor(compress, axis_name=axis_name, name="low_bit")
 
@@ -225,7 +225,7 @@ def _requantize_whole(
         return leaves
     row, total, chunk, blocks = _chunks(leaves, 1, block_size)
     out = _decode(_encode(row, grid, bits, block_size, blocks), grid, bits, chunk, block_size, blocks)
-    return base.split_flat(out.reshape(-1)[:total], leaves, jax.tree.structure(leaves))
+    return base.split_flat_cut(out.reshape(-1)[:total], leaves, jax.tree.structure(leaves))
 
 
 def _chunks(leaves: list[jax.Array], n: int, block_size: int) -> tuple[jax.Array, int, int, int]:
