@@ -439,11 +439,21 @@ def pieces(x: jax.Array, spans: Any, *, axis: int = 0) -> list[jax.Array]:
     """``[x[start : start + size] for start, size in spans]`` (along ``axis``), one kernel per size.
 
     See the comment above: the starts are hidden from the compiler, so equal
-    sizes compile once whatever their offsets.
+    sizes compile once whatever their offsets. ``x`` passes the same barrier,
+    so it is computed once, as a whole, rather than fused into the kernel of
+    every piece (which grows the program by its computation per piece).
     """
     spans = [(int(s), int(n)) for s, n in spans]
-    starts = _opaque_starts(s for s, _ in spans)
+    if len(spans) <= 1 or x.shape[axis] >= 2**31:  # nothing to share, or offsets past int32
+        return [jax.lax.slice_in_dim(x, s, s + n, axis=axis) for s, n in spans]
+    x, *starts = jax.lax.optimization_barrier([x, *(jnp.asarray(s, jnp.int32) for s, _ in spans)])
     return [jax.lax.dynamic_slice_in_dim(x, s, n, axis=axis) for s, (_, n) in zip(starts, spans)]
+
+
+def cut(x: jax.Array, sizes: Any, *, axis: int = 0) -> list[jax.Array]:
+    """``x`` cut along ``axis`` into consecutive pieces of ``sizes`` entries, with :func:`pieces`."""
+    sizes = [int(n) for n in sizes]
+    return pieces(x, zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes), axis=axis)
 
 
 def rows(x: jax.Array, count: int | None = None) -> list[jax.Array]:
@@ -457,9 +467,7 @@ def unpack(flat: jax.Array, shapes: Any) -> list[jax.Array]:
     """Consecutive pieces of the 1-D ``flat``, reshaped to ``shapes`` (entries past them ignored)."""
     shapes = [tuple(int(d) for d in s) for s in shapes]
     sizes = [math.prod(s) for s in shapes]
-    offsets = np.cumsum([0, *sizes[:-1]]) if sizes else []
-    cut = pieces(flat, zip(offsets, sizes))
-    return [p.reshape(s) for p, s in zip(cut, shapes)]
+    return [p.reshape(s) for p, s in zip(cut(flat, sizes), shapes)]
 
 
 def by_dtype(arrays: Any, op: Any) -> list[jax.Array]:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxopt_dist._src.base import AxisName, axis_names
+from jaxopt_dist._src.base import AxisName, axis_names, by_dtype, cut
 
 Reduction = Literal["mean", "sum"]
 
@@ -270,20 +270,6 @@ def _reduce_with_reduced(
     return out
 
 
-def _by_dtype(leaves: Sequence[jax.Array], op: Any) -> list[jax.Array]:
-    """``op`` of the leaves packed into one flat buffer per dtype, cut back into their shapes."""
-    groups: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        groups.setdefault(jnp.result_type(x), []).append(i)
-    out: list[Any] = [None] * len(leaves)
-    for idx in groups.values():
-        flat = op(jnp.concatenate([jnp.ravel(leaves[i]) for i in idx]))
-        offsets = np.cumsum([0] + [int(np.prod(leaves[i].shape)) for i in idx])
-        for j, i in enumerate(idx):
-            out[i] = flat[offsets[j] : offsets[j + 1]].reshape(leaves[i].shape)
-    return out
-
-
 # ----------------------------------------------------------------------------
 # Platform facts: where the traced program will run.
 
@@ -372,7 +358,7 @@ def flatten_by_default() -> bool:
 
 def _flat_psum(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
     """psum of a list of arrays as one flat buffer per dtype."""
-    return _by_dtype(leaves, lambda flat: jax.lax.psum(flat, axis_name))
+    return by_dtype(leaves, lambda flat: jax.lax.psum(flat, axis_name))
 
 
 # ----------------------------------------------------------------------------
@@ -389,7 +375,7 @@ def _use_ring(dtype: Any, bitcast_ring: bool | None) -> bool:
 
 def _ring_sum_leaves(leaves: Sequence[jax.Array], axis_name: AxisName) -> list[jax.Array]:
     """:func:`ring_sum_16bit` of a list of 16-bit float arrays, packed into one buffer per dtype."""
-    return _by_dtype(leaves, lambda flat: ring_sum_16bit(flat, axis_name))
+    return by_dtype(leaves, lambda flat: ring_sum_16bit(flat, axis_name))
 
 
 def ring_sum_16bit(flat: jax.Array, axis_name: AxisName, *, caller: str | None = None) -> jax.Array:
@@ -556,6 +542,12 @@ def _from_bytes(b: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return x.reshape((n, *shape))
 
 
+def _unpack(rows: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
+    """Rows of packed bytes ``(n, B)`` -> per array of ``like``, its ``(n, *shape)`` values."""
+    nbytes = [math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in like]
+    return [_from_bytes(b, tuple(x.shape), x.dtype) for b, x in zip(cut(rows, nbytes, axis=1), like)]
+
+
 def all_gather_packed(
     arrays: Sequence[jax.Array], axis_name: AxisName, *, caller: str | None = None
 ) -> list[jax.Array]:
@@ -583,14 +575,8 @@ def all_gather_packed(
         return []
     buffer = jnp.concatenate([_to_bytes(x) for x in arrays])
     gathered = all_gather(buffer, axis_name, caller=caller)  # uint8[n, B]
-    out = []
-    offset = 0
-    for x in arrays:
-        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-        out.append(_from_bytes(gathered[:, offset : offset + nbytes], tuple(x.shape), x.dtype))
-        offset += nbytes
     assert gathered.shape[0] == n
-    return out
+    return _unpack(gathered, arrays)
 
 
 # ----------------------------------------------------------------------------
@@ -632,12 +618,7 @@ def ppermute_packed(
         return []
     buffer = jnp.concatenate([_to_bytes(x) for x in arrays])
     received = ppermute(buffer, axis_name, perm, caller=caller)[None]
-    out, offset = [], 0
-    for x in arrays:
-        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-        out.append(_from_bytes(received[:, offset : offset + nbytes], tuple(x.shape), x.dtype)[0])
-        offset += nbytes
-    return out
+    return [x[0] for x in _unpack(received, arrays)]
 
 
 # Updates that arrive already reduced.

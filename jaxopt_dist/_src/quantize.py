@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxopt_dist._src import base, comm
@@ -33,9 +34,17 @@ def _pack_signs(leaves: Sequence[jax.Array]) -> jax.Array:
 
 
 def _unpack_signs(packed: jax.Array, total: int, dtype: Any) -> jax.Array:
-    """``+1``/``-1`` in ``dtype`` from one worker's packed bits."""
-    bits = jnp.unpackbits(packed, count=total)
+    """``+1``/``-1`` in ``dtype`` from one worker's packed bits (or from rows of them)."""
+    bits = jnp.unpackbits(packed, axis=-1, count=total)
     return (1 - 2 * bits.astype(jnp.int32)).astype(dtype)
+
+
+def _own_signs(leaves: Sequence[jax.Array], scales: Sequence[jax.Array] | None = None) -> list[jax.Array]:
+    """Each leaf's own message decoded: ``-s`` where ``x < 0``, ``+s`` elsewhere (as the bits
+    say), with ``s`` 1 or the leaf's float32 scale (a ``(1,)`` array)."""
+    one = jnp.ones((1,), jnp.float32)
+    scales = [one] * len(leaves) if scales is None else scales
+    return [jnp.where(x < 0, -s[0], s[0]).astype(x.dtype) for x, s in zip(leaves, scales)]
 
 
 def _mean_magnitudes(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -72,8 +81,7 @@ def _majority_vote_compressor(axis_name: base.AxisName) -> ef.Compressor:
             jnp.zeros((total,), jnp.int32),
         )
         vote = jnp.sign(n - 2 * negatives)
-        own = _unpack_signs(_pack_signs(leaves), total, jnp.float32)
-        return base.split_flat(vote, leaves, treedef), base.split_flat(own, leaves, treedef)
+        return base.split_flat(vote, leaves, treedef), jax.tree.unflatten(treedef, _own_signs(leaves))
 
     return ef.stateless_compressor(compress, axis_name=axis_name, name="sign_majority_vote")
 
@@ -144,10 +152,17 @@ def sign_majority_vote(
 
 def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
     def compress(leaves, treedef, n):
-        sizes = base.leaf_sizes(leaves)
+        # Leaves of one shape lie side by side in the message (their signs, then their scales:
+        # the same bytes in another order), so that decoding runs once per shape.
+        groups = base.LeafGroups(leaves)
+        order = [i for ids in groups.groups for i in ids]
+        ordered = [leaves[i] for i in order]
+        sizes = base.leaf_sizes(ordered)
         total = sum(sizes)
-        scales = _mean_magnitudes(leaves)
-        packed = _pack_signs(leaves)
+        counts = [len(ids) for ids in groups.groups]
+        widths = [len(ids) * math.prod(leaves[ids[0]].shape) for ids in groups.groups]
+        scales = _mean_magnitudes(ordered)
+        packed = _pack_signs(ordered)
         g_packed, g_scales = comm.all_gather_packed([packed, scales], axis_name, caller="scaled_sign")
 
         def decode(bits, scale):
@@ -157,19 +172,25 @@ def _scaled_sign_compressor(axis_name: base.AxisName) -> ef.Compressor:
             summed = _ordered_sum(
                 n, lambda w: decode(g_packed[w], g_scales[w]), jnp.zeros((total,), jnp.float32)
             )
-            mean = base.split_flat(summed / jnp.float32(n), leaves, treedef)
-        else:  # per leaf, each worker's signs times its scalar scale: one fused pass
-            signs = [_unpack_signs(g_packed[w], total, jnp.float32) for w in range(n)]
-            means, offset = [], 0
-            for li, (x, d) in enumerate(zip(leaves, sizes)):
-                part = [sg[offset : offset + d] for sg in signs]
-                summed = _ordered_sum(n, lambda w: part[w] * g_scales[w, li], jnp.zeros((d,), jnp.float32))
-                means.append((summed / jnp.float32(n)).reshape(x.shape).astype(x.dtype))
-                offset += d
-            mean = jax.tree.unflatten(treedef, means)
-        # This worker's message, decoded: -scale where x < 0, +scale elsewhere (as the bits say).
-        own = [jnp.where(x < 0, -scales[li], scales[li]).astype(x.dtype) for li, x in enumerate(leaves)]
-        return mean, jax.tree.unflatten(treedef, own)
+            flat = summed / jnp.float32(n)
+            means = [m.reshape(c, -1) for m, c in zip(base.cut(flat, widths), counts)]
+        else:  # per shape, each worker's signs times its leaves' scales: one fused pass
+            signs = base.cut(_unpack_signs(g_packed, total, jnp.float32), widths, axis=1)  # (n, G d)
+            columns = base.cut(g_scales, counts, axis=1)  # per group, (n, G)
+            means = []
+            for c, part, col in zip(counts, signs, columns):
+                part = part.reshape(n, c, -1)
+                summed = _ordered_sum(
+                    n,
+                    lambda w, part=part, col=col: part[w] * col[w][:, None],
+                    jnp.zeros(part.shape[1:], jnp.float32),
+                )
+                means.append(summed / jnp.float32(n))
+        mean = [m.reshape(x.shape).astype(x.dtype) for m, x in zip(groups.unstack(means), leaves)]
+        own_scales: list[Any] = [None] * len(leaves)
+        for i, sc in zip(order, base.cut(scales, [1] * len(leaves))):
+            own_scales[i] = sc
+        return jax.tree.unflatten(treedef, mean), jax.tree.unflatten(treedef, _own_signs(leaves, own_scales))
 
     return ef.stateless_compressor(
         compress, axis_name=axis_name, name="scaled_sign", codec=_scaled_sign_codec()
@@ -324,8 +345,12 @@ def hash_uniforms(key: jax.Array, total: int) -> jax.Array:
     on every backend. Good enough for stochastic rounding, not for
     cryptography.
     """
+    return _hash_at(key, jax.lax.iota(jnp.uint32, total))
+
+
+def _hash_at(key: jax.Array, counter: jax.Array) -> jax.Array:
+    """:func:`hash_uniforms`' entries at the uint32 positions ``counter`` (any shape)."""
     k = jnp.asarray(key, jnp.uint32).reshape(-1)
-    counter = jax.lax.iota(jnp.uint32, total)
     h = _mix32(_mix32(counter * jnp.uint32(0x9E3779B9) + k[0]) ^ k[-1])
     return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
 
@@ -360,17 +385,71 @@ _DEFAULT_AGGREGATE = "all_reduce"
 def _quantize(
     blocks: jax.Array, scale: jax.Array, u: jax.Array, s: jax.Array, d: int, dtype: Any
 ) -> jax.Array:
-    """Stochastic rounding of ``blocks`` (m, b) to ``sign * floor(s |v| / scale + u)`` in ``[-s, s]``; flat[:d]."""
+    """Stochastic rounding of ``blocks`` (..., m, b) to ``sign * floor(s |v| / scale + u)`` in
+    ``[-s, s]``; each flat row's first ``d`` entries (..., d)."""
     safe = jnp.where(scale > 0, scale, jnp.float32(1))
-    r = jnp.abs(blocks) / safe[:, None] * s
+    r = jnp.abs(blocks) / safe[..., None] * s
     level = jnp.minimum(jnp.floor(r + u), s)
-    return (jnp.sign(blocks) * level).reshape(-1)[:d].astype(dtype)
+    codes = jnp.sign(blocks) * level
+    return codes.reshape(*codes.shape[:-2], -1)[..., :d].astype(dtype)
 
 
 def _decode(code: jax.Array, scale: jax.Array, s: jax.Array, d: int, m: int, b: int) -> jax.Array:
-    """Flat float32 ``code * scale / s`` per bucket (``code`` flat with ``d`` entries)."""
-    blocks = jnp.pad(code.astype(jnp.float32), (0, m * b - d)).reshape(m, b)
-    return (blocks * (scale / s)[:, None]).reshape(-1)[:d]
+    """Float32 ``code * scale / s`` per bucket: ``code`` (..., d), ``scale`` (..., m) -> (..., d)."""
+    lead = code.shape[:-1]
+    blocks = jnp.pad(code.astype(jnp.float32), [(0, 0)] * len(lead) + [(0, m * b - d)])
+    blocks = blocks.reshape(*lead, m, b)
+    return (blocks * (scale / s)[..., None]).reshape(*lead, -1)[..., :d]
+
+
+class _QSGDGroup(NamedTuple):
+    """Leaves of one shape, stacked: float32 ``blocks`` (G, m, b), zero-padded to whole
+    buckets, their bucket norms (G, m), and the rounding's uniforms (G, m, b)."""
+
+    d: int
+    m: int
+    b: int
+    blocks: jax.Array
+    norms: jax.Array
+    u: jax.Array
+
+
+def _qsgd_groups(
+    leaves: list[jax.Array],
+    groups: base.LeafGroups,
+    bucket_size: int | None,
+    step_key: jax.Array,
+    worker: jax.Array,
+    rng: str,
+) -> list[_QSGDGroup]:
+    """Per group of leaves of one shape, its :class:`_QSGDGroup`: the uniforms are those
+    :func:`qsgd_uniforms` draws for the whole tree (leaf after leaf, each padded) at the
+    group's leaves' positions."""
+    spans = [math.prod(m_b) for m_b in (_buckets(d, bucket_size) for d in base.leaf_sizes(leaves))]
+    starts = np.cumsum([0, *spans[:-1]])
+    if rng == "hash":
+        key = jax.random.fold_in(step_key, worker)
+        uniforms = [
+            _hash_at(
+                key,
+                jnp.asarray(starts[ids], jnp.uint32)[:, None]
+                + jax.lax.iota(jnp.uint32, spans[ids[0]])[None, :],
+            )
+            for ids in groups.groups
+        ]
+    else:
+        pieces = base.cut(qsgd_uniforms(step_key, worker, sum(spans), rng=rng), spans)
+        uniforms = [jnp.stack([pieces[i] for i in ids]) for ids in groups.groups]
+    out = []
+    for ids, u in zip(groups.groups, uniforms):
+        d = math.prod(leaves[ids[0]].shape)
+        m, b = _buckets(d, bucket_size)
+        x = jnp.stack([jnp.ravel(leaves[i]) for i in ids]).astype(jnp.float32)
+        blocks = jnp.pad(x, ((0, 0), (0, m * b - d))).reshape(-1, m, b)
+        out.append(
+            _QSGDGroup(d, m, b, blocks, jnp.sqrt(jnp.sum(blocks * blocks, axis=-1)), u.reshape(-1, m, b))
+        )
+    return out
 
 
 def _qsgd_compressor(
@@ -395,59 +474,42 @@ def _qsgd_compressor(
         key, step_key = jax.random.split(state.key)
         if not leaves:
             return updates, updates, QSGDState(key=key)
-        sizes = base.leaf_sizes(leaves)
-        shapes = [_buckets(d, bucket_size) for d in sizes]
+        # Leaves of one shape are quantized and decoded together, stacked; the codes and norms
+        # travel group after group (the same bytes as leaf after leaf).
+        groups = base.LeafGroups(leaves)
         worker = comm.axis_index(axis_name, caller="qsgd")
-        u = qsgd_uniforms(step_key, worker, sum(m * b for m, b in shapes), rng=rng)
-        blocks, us, norms, offset = [], [], [], 0
-        for x, (m, b) in zip(leaves, shapes):
-            v = jnp.ravel(x).astype(jnp.float32)
-            bl = jnp.pad(v, (0, m * b - v.shape[0])).reshape(m, b)
-            blocks.append(bl)
-            norms.append(jnp.sqrt(jnp.sum(bl * bl, axis=1)))
-            us.append(u[offset : offset + m * b].reshape(m, b))
-            offset += m * b
-        layout = list(zip(sizes, shapes))
-        out, contrib = [], []
+        gs = _qsgd_groups(leaves, groups, bucket_size, step_key, worker, rng)
         if aggregate == "all_gather":
-            codes = [
-                _quantize(bl, nrm, ui, s, d, code_dtype)
-                for bl, nrm, ui, (d, _) in zip(blocks, norms, us, layout)
-            ]
-            g = comm.all_gather_packed(codes + norms, axis_name, caller="qsgd")
-            g_codes, g_norms = g[: len(leaves)], g[len(leaves) :]
-            for (d, (m, b)), code, norm, gc, gn in zip(layout, codes, norms, g_codes, g_norms):
+            codes = [_quantize(g.blocks, g.norms, g.u, s, g.d, code_dtype) for g in gs]
+            gathered = comm.all_gather_packed(codes + [g.norms for g in gs], axis_name, caller="qsgd")
+            out = []
+            for g, gc, gn in zip(gs, gathered[: len(gs)], gathered[len(gs) :]):
                 summed = _ordered_sum(
                     n,
-                    lambda w, gc=gc, gn=gn, d=d, m=m, b=b: _decode(gc[w], gn[w], s, d, m, b),
-                    jnp.zeros((d,), jnp.float32),
+                    lambda w, g=g, gc=gc, gn=gn: _decode(gc[w], gn[w], s, g.d, g.m, g.b),
+                    jnp.zeros(gc.shape[1:], jnp.float32),
                 )
                 out.append(summed / jnp.float32(n))
-                contrib.append(_decode(code, norm, s, d, m, b))
+            contrib = [_decode(c, g.norms, s, g.d, g.m, g.b) for c, g in zip(codes, gs)]
         else:
             sum_dtype = qsgd_sum_dtype(levels, n)
             # One small all-reduce: the largest norm of each bucket over workers, shared by all.
-            all_scales = comm.pmax(jnp.concatenate(norms), axis_name, caller="qsgd")
-            scales, start = [], 0
-            for m, _ in shapes:
-                scales.append(all_scales[start : start + m])
-                start += m
-            codes = [
-                _quantize(bl, sc, ui, s, d, sum_dtype)
-                for bl, sc, ui, (d, _) in zip(blocks, scales, us, layout)
+            all_scales = comm.pmax(
+                jnp.concatenate([jnp.ravel(g.norms) for g in gs]), axis_name, caller="qsgd"
+            )
+            scales = [
+                sc.reshape(g.norms.shape)
+                for sc, g in zip(base.cut(all_scales, [g.norms.size for g in gs]), gs)
             ]
+            codes = [_quantize(g.blocks, sc, g.u, s, g.d, sum_dtype) for g, sc in zip(gs, scales)]
             # One all-reduce of every code, in an integer type that cannot overflow.
-            summed = comm.psum(jnp.concatenate(codes), axis_name, caller="qsgd")
-            start = 0
-            for (d, (m, b)), code, scale in zip(layout, codes, scales):
-                out.append(_decode(summed[start : start + d], scale, s, d, m, b) / jnp.float32(n))
-                contrib.append(_decode(code, scale, s, d, m, b))
-                start += d
+            summed = comm.psum(jnp.concatenate([jnp.ravel(c) for c in codes]), axis_name, caller="qsgd")
+            totals = [t.reshape(c.shape) for t, c in zip(base.cut(summed, [c.size for c in codes]), codes)]
+            out = [_decode(t, sc, s, g.d, g.m, g.b) / jnp.float32(n) for t, sc, g in zip(totals, scales, gs)]
+            contrib = [_decode(c, sc, s, g.d, g.m, g.b) for c, sc, g in zip(codes, scales, gs)]
         return (
-            jax.tree.unflatten(treedef, [o.reshape(x.shape).astype(x.dtype) for o, x in zip(out, leaves)]),
-            jax.tree.unflatten(
-                treedef, [c.reshape(x.shape).astype(x.dtype) for c, x in zip(contrib, leaves)]
-            ),
+            _tree(out, groups, leaves, treedef),
+            _tree(contrib, groups, leaves, treedef),
             QSGDState(key=key),
         )
 
@@ -456,38 +518,35 @@ def _qsgd_compressor(
     )
 
 
+def _tree(per_group: list[jax.Array], groups: base.LeafGroups, leaves: list[jax.Array], treedef: Any) -> Any:
+    """Per group (G, d) rows -> a tree like ``leaves`` (their shapes and dtypes)."""
+    rows = groups.unstack(per_group)
+    return jax.tree.unflatten(treedef, [r.reshape(x.shape).astype(x.dtype) for r, x in zip(rows, leaves)])
+
+
 def _qsgd_codec(levels: int, bucket_size: int | None, axis_name: base.AxisName) -> ef.Codec:
     """QSGD's message built locally, as the paper's scheme (``aggregate="all_gather"``): each
-    worker's own bucket norms; ``[codes, norms]`` per leaf."""
+    worker's own bucket norms; ``[codes, norms]`` per group of leaves of one shape."""
     code_dtype = qsgd_code_dtype(levels)
     s = jnp.float32(levels)
 
     def decode(message, like, state):
         del state
         leaves, treedef = jax.tree.flatten(like)
+        groups = base.LeafGroups(leaves)
         out = []
-        for j, x in enumerate(leaves):
-            d = math.prod(x.shape)
-            m, b = _buckets(d, bucket_size)
-            out.append(
-                _decode(message[2 * j], message[2 * j + 1], s, d, m, b).reshape(x.shape).astype(x.dtype)
-            )
-        return jax.tree.unflatten(treedef, out)
+        for j, ids in enumerate(groups.groups):
+            d = math.prod(leaves[ids[0]].shape)
+            out.append(_decode(message[2 * j], message[2 * j + 1], s, d, *_buckets(d, bucket_size)))
+        return _tree(out, groups, leaves, treedef)
 
     def encode(updates, state):
         leaves = jax.tree.leaves(updates)
         key, step_key = jax.random.split(state.key)
-        shapes = [_buckets(d, bucket_size) for d in base.leaf_sizes(leaves)]
-        u = qsgd_uniforms(step_key, comm.axis_index(axis_name, caller="qsgd"), sum(m * b for m, b in shapes))
-        message, offset = [], 0
-        for x, (m, b) in zip(leaves, shapes):
-            d = math.prod(x.shape)
-            v = jnp.ravel(x).astype(jnp.float32)
-            bl = jnp.pad(v, (0, m * b - d)).reshape(m, b)
-            norm = jnp.sqrt(jnp.sum(bl * bl, axis=1))
-            ui = u[offset : offset + m * b].reshape(m, b)
-            message += [_quantize(bl, norm, ui, s, d, code_dtype), norm]
-            offset += m * b
+        worker = comm.axis_index(axis_name, caller="qsgd")
+        message = []
+        for g in _qsgd_groups(leaves, base.LeafGroups(leaves), bucket_size, step_key, worker, "hash"):
+            message += [_quantize(g.blocks, g.norms, g.u, s, g.d, code_dtype), g.norms]
         return message, decode(message, updates, state), QSGDState(key=key)
 
     return ef.Codec(encode, decode)

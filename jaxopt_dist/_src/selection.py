@@ -69,6 +69,20 @@ def top_indices(x: jax.Array, k: int) -> jax.Array:
     return _select(magnitude_keys(x), k)
 
 
+def top_indices_rows(x: jax.Array, k: int) -> jax.Array:
+    """:func:`top_indices` of every row of ``x`` ``(rows, d)``: int32 ``(rows, k)``.
+
+    One batched selection for all rows, compiled once; rows long enough to
+    be narrowed by a sample go one after the other (``lax.map``) instead, so
+    that the fallback on the whole row runs only where that row needs it.
+    """
+    if x.shape[0] == 1:
+        return top_indices(x[0], k)[None]
+    if jnp.dtype(x.dtype).itemsize <= 4 and _sample_plan(x.shape[1], k) is not None:
+        return jax.lax.map(lambda row: top_indices(row, k), x)
+    return jax.vmap(lambda row: top_indices(row, k))(x)
+
+
 def _heap_top(x: jax.Array, k: int) -> jax.Array:
     return jnp.sort(jax.lax.top_k(jnp.abs(x).astype(jnp.float32), k)[1]).astype(jnp.int32)
 

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxopt_dist._src import base, comm, selection
@@ -96,68 +97,129 @@ def _flat_plan(total: int, k: int | None, density: float | None, caller: str) ->
 
 
 # ----------------------------------------------------------------------------
-# The two exchanges.
+# Leaves of one shape, stacked: every per-leaf step (selection, scatter, drop)
+# runs once per shape on a ``(leaves, d)`` array, so the compiled update grows
+# with the number of distinct leaf shapes, not with the number of leaves.
 
 
-def _scatter_mean(size: int, indices: jax.Array, values: jax.Array, n: int, dtype: Any) -> jax.Array:
-    """Mean over workers of sparse vectors: ``indices``/``values`` are ``(n, k)``.
+class _Layout(NamedTuple):
+    """A tree's leaves grouped by shape, dtype and replication (see :func:`_layout`)."""
 
-    Worker rows are added in worker order, one scatter per worker whose indices
-    are unique, so the sum has one fixed rounding order on every worker (no
-    atomics on accelerators) and replicas stay bit-identical.
-    """
-    acc = base.accumulation_dtype(dtype)
-    values = values.astype(acc)
+    groups: base.LeafGroups
+    leaves: list[Any]
+    treedef: Any
 
-    def body(w, total):
-        return total.at[indices[w]].add(values[w], unique_indices=True)
+    def sizes(self) -> list[int]:
+        """Per group, the entries of each of its leaves."""
+        return [math.prod(np.shape(self.leaves[ids[0]])) for ids in self.groups.groups]
 
-    total = jax.lax.fori_loop(0, n, body, jnp.zeros((size,), acc))
-    return (total / jnp.asarray(n, acc)).astype(dtype)
+    def stack(self) -> list[jax.Array]:
+        """Per group, its leaves flattened and stacked in leaf order: ``(leaves in the group, d)``."""
+        return [jnp.stack([jnp.ravel(self.leaves[i]) for i in ids]) for ids in self.groups.groups]
+
+    def tree(self, per_group: Sequence[jax.Array]) -> Any:
+        """Per group a ``(leaves, d)`` array -> a tree like the leaves (their shapes and dtypes)."""
+        return _unflatten(self.treedef, self.leaves, self.groups.unstack(per_group))
+
+
+def _layout(tree: Any, axis_name: base.AxisName | None = None) -> _Layout:
+    """``tree``'s leaves grouped by shape, dtype and (with ``axis_name``) the axes they
+    arrived reduced over (arrays or ``jax.ShapeDtypeStruct``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    reduced = comm.reduced_axes(leaves, axis_name) if axis_name is not None else [()] * len(leaves)
+    groups = base.LeafGroups(
+        list(zip(leaves, reduced)), key=lambda lr: (np.shape(lr[0]), jnp.result_type(lr[0]), lr[1])
+    )
+    return _Layout(groups, leaves, treedef)
+
+
+def _group_plan(lay: _Layout, k: int | None, density: float | None, caller: str) -> list[int | None]:
+    """Per group: entries each of its leaves sends, or None where they go dense."""
+    plan = _leaf_plan(base.leaf_sizes(lay.leaves), k, density, caller)
+    return [plan[ids[0]] for ids in lay.groups.groups]
+
+
+def _rows_of(indices: jax.Array) -> jax.Array:
+    """Row numbers to pair with per-row ``indices`` ``(..., G, k)`` in a scatter."""
+    return jnp.arange(indices.shape[-2], dtype=jnp.int32)[:, None]
 
 
 def _scatter(size: int, indices: jax.Array, values: jax.Array) -> jax.Array:
-    return jnp.zeros((size,), values.dtype).at[indices].set(values, unique_indices=True)
+    """Rows of zeros ``(G, size)`` holding ``values`` ``(G, k)`` at their (distinct) ``indices``."""
+    zeros = jnp.zeros((values.shape[0], size), values.dtype)
+    return zeros.at[_rows_of(indices), indices].set(values, unique_indices=True)
 
 
-def _drop(v: jax.Array, indices: jax.Array) -> jax.Array:
-    """``v`` with the entries at (distinct) ``indices`` zeroed: the residual of a sparse message.
+def _drop(x: jax.Array, indices: jax.Array) -> jax.Array:
+    """Rows ``x`` ``(G, d)`` with the entries at (distinct) ``indices`` zeroed: the residual of a sparse message.
 
-    A scatter that XLA runs in place where ``v`` is written out anyway (top-k
-    reads it several times to select), instead of ``v - contribution``
-    reading ``v`` again with a dense contribution or mask.
+    A scatter that XLA runs in place where ``x`` is written out anyway (top-k
+    reads it several times to select), instead of ``x - contribution``
+    reading ``x`` again with a dense contribution or mask.
     """
-    return v.at[indices].set(jnp.zeros([], v.dtype), unique_indices=True)
+    return x.at[_rows_of(indices), indices].set(jnp.zeros([], x.dtype), unique_indices=True)
 
 
-def _drop_masked(v: jax.Array, indices: jax.Array) -> jax.Array:
+def _drop_masked(x: jax.Array, indices: jax.Array) -> jax.Array:
     """The same as :func:`_drop`, as a select on a boolean mask: XLA fuses it
-    with the computation of ``v`` (``g + e``) where nothing else needs ``v``
+    with the computation of ``x`` (``g + e``) where nothing else needs ``x``
     whole (random-k reads only the k sent entries)."""
-    mask = jnp.zeros(v.shape, jnp.bool_).at[indices].set(True, unique_indices=True)
-    return jnp.where(mask, jnp.zeros_like(v), v)
+    mask = jnp.zeros(x.shape, jnp.bool_).at[_rows_of(indices), indices].set(True, unique_indices=True)
+    return jnp.where(mask, jnp.zeros_like(x), x)
+
+
+def _take(x: jax.Array, indices: jax.Array) -> jax.Array:
+    return jnp.take_along_axis(x, indices, axis=1)
+
+
+def _scatter_means(
+    sizes: Sequence[int],
+    indices: Sequence[jax.Array],
+    values: Sequence[jax.Array],
+    n: int,
+    dtypes: Sequence[Any],
+) -> list[jax.Array]:
+    """Means over workers of sparse rows: per group, ``indices``/``values`` are ``(n, G, k)``.
+
+    Worker rows are added in worker order, one scatter per worker and group
+    whose indices are unique in each row, so the sum has one fixed rounding
+    order on every worker (no atomics on accelerators) and replicas stay
+    bit-identical. One loop over the workers for every group.
+    """
+    accs = [base.accumulation_dtype(dt) for dt in dtypes]
+    values = [v.astype(a) for v, a in zip(values, accs)]
+
+    def body(w, totals):
+        return tuple(
+            t.at[_rows_of(i[w]), i[w]].add(v[w], unique_indices=True)
+            for t, i, v in zip(totals, indices, values)
+        )
+
+    zeros = tuple(jnp.zeros((i.shape[1], d), a) for i, d, a in zip(indices, sizes, accs))
+    totals = jax.lax.fori_loop(0, n, body, zeros)
+    return [(t / jnp.asarray(n, a)).astype(dt) for t, a, dt in zip(totals, accs, dtypes)]
 
 
 def _gather_exchange(
-    vectors: Sequence[jax.Array],
+    rows: Sequence[jax.Array],
     selections: Sequence[tuple[jax.Array, jax.Array] | None],
     axis_name: base.AxisName,
     caller: str,
 ) -> list[jax.Array]:
     """Per-worker selections -> the mean over workers of what was sent.
 
-    ``vectors`` are flat; ``selections[i]`` is ``(values, int32 indices)`` for a
-    sparse vector (values already masked as wanted) or None for a dense one.
-    All sparse payloads travel in one all-gather, all dense vectors in one
-    fused all-reduce per dtype.
+    ``rows`` are stacked flat leaves ``(G, d)``; ``selections[i]`` is
+    ``(values, int32 indices)``, each ``(G, k)``, for sparse rows (values
+    already masked as wanted) or None for dense ones. All sparse payloads
+    travel in one all-gather, all dense rows in one fused all-reduce per dtype.
     """
     n = comm.axis_size(axis_name, caller=caller)
-    out: list[Any] = [None] * len(vectors)
+    out: list[Any] = [None] * len(rows)
     dense = [i for i, s in enumerate(selections) if s is None]
     sparse = [i for i, s in enumerate(selections) if s is not None]
     if dense:
         means = comm.reduce(
-            [vectors[i] for i in dense], axis_name, reduction="mean", flatten=True, caller=caller
+            [rows[i] for i in dense], axis_name, reduction="mean", flatten=True, caller=caller
         )
         for i, m in zip(dense, means):
             out[i] = m
@@ -167,17 +229,23 @@ def _gather_exchange(
             values, indices = selections[i]  # type: ignore[misc]
             payload += [values, indices]
         gathered = comm.all_gather_packed(payload, axis_name, caller=caller)
-        for j, i in enumerate(sparse):
-            size = vectors[i].shape[0]
-            out[i] = _scatter_mean(size, gathered[2 * j + 1], gathered[2 * j], n, vectors[i].dtype)
+        means = _scatter_means(
+            [rows[i].shape[1] for i in sparse],
+            gathered[1::2],
+            gathered[0::2],
+            n,
+            [rows[i].dtype for i in sparse],
+        )
+        for i, m in zip(sparse, means):
+            out[i] = m
     return out
 
 
 def _largest(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """The ``k`` largest-magnitude entries (ties: lower index first) and their int32 indices,
-    in increasing index order."""
-    idx = selection.top_indices(x, k)
-    return x[idx], idx
+    """Per row of ``x`` ``(G, d)``, the ``k`` largest-magnitude entries (ties: lower index first)
+    and their int32 indices, in increasing index order: two ``(G, k)`` arrays."""
+    idx = selection.top_indices_rows(x, k)
+    return _take(x, idx), idx
 
 
 def _unflatten(treedef: Any, like: Sequence[jax.Array], flats: Sequence[jax.Array]) -> Any:
@@ -209,76 +277,70 @@ def _top_k_compressor(
         if not leaves:
             return updates, updates, state
         if per_leaf:
-            plan = _leaf_plan(base.leaf_sizes(updates), k, density, "top_k")
-            vectors = [jnp.ravel(x) for x in leaves]
-            selections = [None if kl is None else _largest(v, kl) for v, kl in zip(vectors, plan)]
-            out = _gather_exchange(vectors, selections, axis_name, "top_k")
+            lay = _layout(updates)
+            rows = lay.stack()
+            selections = [pick(x, kl) for x, kl in zip(rows, _group_plan(lay, k, density, "top_k"))]
+            out = _gather_exchange(rows, selections, axis_name, "top_k")
             residual = [
-                jnp.zeros_like(v) if sel is None else _drop(v, sel[1]) for v, sel in zip(vectors, selections)
+                jnp.zeros_like(x) if sel is None else _drop(x, sel[1]) for x, sel in zip(rows, selections)
             ]
-            return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, residual), state
+            return lay.tree(out), lay.tree(residual), state
         p = _flat_plan(sum(base.leaf_sizes(updates)), k, density, "top_k")
         if p is None:  # k == every entry: all dense
-            vectors = [jnp.ravel(x) for x in leaves]
-            out = _gather_exchange(vectors, [None] * len(vectors), axis_name, "top_k")
-            return _unflatten(treedef, leaves, out), jax.tree.map(jnp.zeros_like, updates), state
+            lay = _layout(updates)
+            rows = lay.stack()
+            out = _gather_exchange(rows, [None] * len(rows), axis_name, "top_k")
+            return lay.tree(out), jax.tree.map(jnp.zeros_like, updates), state
         dtype = jnp.result_type(*leaves)
-        flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
+        flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])[None]
         chosen = _largest(flat, p)
         (out,) = _gather_exchange([flat], [chosen], axis_name, "top_k")
-        return _split(treedef, leaves, out), _split(treedef, leaves, _drop(flat, chosen[1])), state
+        residual = _drop(flat, chosen[1])
+        return (
+            base.split_flat(out[0], leaves, treedef),
+            base.split_flat(residual[0], leaves, treedef),
+            state,
+        )
 
-    def pick(v, kl):
-        return None if kl is None else _largest(v, kl)
+    def pick(x, kl):
+        return None if kl is None else _largest(x, kl)
 
-    codec = (
-        _sparse_codec(lambda tree: _leaf_plan(base.leaf_sizes(tree), k, density, "top_k"), pick)
-        if per_leaf
-        else None
-    )
+    codec = _sparse_codec(lambda lay: _group_plan(lay, k, density, "top_k"), pick) if per_leaf else None
     return ef.Compressor(init, compress, codec, axis_name=axis_name, name="top_k", returns_residual=True)
 
 
-def _sparse_codec(plan_of: Callable[[Any], list[int | None]], pick: Callable[..., Any]) -> ef.Codec:
-    """Codec of a per-leaf sparsifier: ``pick(flat_leaf, k_l)`` gives ``(values, int32 indices)``,
-    or None for a leaf sent dense; the message holds values then indices of each leaf."""
+def _sparse_codec(plan_of: Callable[[_Layout], list[int | None]], pick: Callable[..., Any]) -> ef.Codec:
+    """Codec of a per-leaf sparsifier: ``pick(rows, k_l)`` gives ``(values, int32 indices)`` of
+    stacked leaves, or None for leaves sent dense; the message holds, per group of leaves of
+    one shape, their values then indices (or their entries)."""
 
     def encode(updates, state):
-        leaves, treedef = jax.tree.flatten(updates)
+        lay = _layout(updates)
         message, decoded = [], []
-        for x, kl in zip(leaves, plan_of(updates)):
-            v = jnp.ravel(x)
-            sel = pick(v, kl)
+        for x, kl in zip(lay.stack(), plan_of(lay)):
+            sel = pick(x, kl)
             if sel is None:
-                message.append(v)
-                decoded.append(v)
+                message.append(x)
+                decoded.append(x)
             else:
                 message += list(sel)
-                decoded.append(_scatter(v.shape[0], sel[1], sel[0]))
-        return message, _unflatten(treedef, leaves, decoded), state
+                decoded.append(_scatter(x.shape[1], sel[1], sel[0]))
+        return message, lay.tree(decoded), state
 
     def decode(message, like, state):
         del state
-        leaves, treedef = jax.tree.flatten(like)
+        lay = _layout(like)
         out, pos = [], 0
-        for x, kl in zip(leaves, plan_of(like)):
+        for d, kl in zip(lay.sizes(), plan_of(lay)):
             if kl is None:
                 out.append(message[pos])
                 pos += 1
             else:
-                out.append(_scatter(math.prod(x.shape), message[pos + 1], message[pos]))
+                out.append(_scatter(d, message[pos + 1], message[pos]))
                 pos += 2
-        return _unflatten(treedef, leaves, out)
+        return lay.tree(out)
 
     return ef.Codec(encode, decode)
-
-
-def _split(treedef: Any, leaves: Sequence[jax.Array], flat: jax.Array) -> Any:
-    offsets = [0]
-    for x in leaves:
-        offsets.append(offsets[-1] + math.prod(x.shape))
-    parts = [flat[offsets[i] : offsets[i + 1]] for i in range(len(leaves))]
-    return _unflatten(treedef, leaves, parts)
 
 
 def top_k(
@@ -400,26 +462,25 @@ def _threshold_compressor(
     def compress(updates, state, params=None, **extra_args):
         del params, extra_args
         comm.require_axis(axis_name, "threshold")
-        leaves, treedef = jax.tree.flatten(updates)
+        lay = _layout(updates)
         t = base.resolve(thr, state.count)
-        vectors, selections = [], []
-        for x in leaves:
-            v = jnp.ravel(x)
-            big = jnp.abs(v) >= jnp.asarray(t, v.dtype)
-            if v.shape[0] <= capacity:
-                vectors.append(jnp.where(big, v, jnp.zeros_like(v)))
+        rows, selections = [], []
+        for x in lay.stack():
+            big = jnp.abs(x) >= jnp.asarray(t, x.dtype)
+            if x.shape[1] <= capacity:
+                rows.append(jnp.where(big, x, jnp.zeros_like(x)))
                 selections.append(None)
             else:
-                values, idx = _largest(v, capacity)
-                values = jnp.where(big[idx], values, jnp.zeros_like(values))
-                vectors.append(v)
+                values, idx = _largest(x, capacity)
+                values = jnp.where(_take(big, idx), values, jnp.zeros_like(values))
+                rows.append(x)
                 selections.append((values, idx))
-        out = _gather_exchange(vectors, selections, axis_name, "threshold")
+        out = _gather_exchange(rows, selections, axis_name, "threshold")
         contrib = [
-            v if sel is None else _scatter(v.shape[0], sel[1], sel[0]) for v, sel in zip(vectors, selections)
+            x if sel is None else _scatter(x.shape[1], sel[1], sel[0]) for x, sel in zip(rows, selections)
         ]
         new_state = ThresholdState(count=jnp.asarray(optax.safe_increment(state.count)))
-        return _unflatten(treedef, leaves, out), _unflatten(treedef, leaves, contrib), new_state
+        return lay.tree(out), lay.tree(contrib), new_state
 
     return ef.Compressor(init, compress, axis_name=axis_name, name="threshold")
 
@@ -592,9 +653,10 @@ def _shared_compressor(
     invariant_updates: str = "sum",
 ) -> ef.Compressor:
     """``pick(step_key, plan) -> [(take, put, drop), ...]``, one triple per
-    ``(leaf, size, k)`` of ``plan`` (the sparse leaves): ``take`` reads the k sent
-    entries of a flat leaf, ``put`` writes k values back into a zero leaf, ``drop``
-    zeroes the sent entries of a flat leaf (``v - put(take(v))``: the residual)."""
+    ``(leaf numbers, size, k)`` of ``plan`` (the groups of sparse leaves of one
+    shape): ``take`` reads the k sent entries of each of the group's stacked
+    flat leaves ``(G, size)``, ``put`` writes ``(G, k)`` values back into zero
+    leaves, ``drop`` zeroes the sent entries (``x - put(take(x))``: the residual)."""
 
     def init(params):
         _leaf_plan(base.leaf_sizes(params), k, density, caller)
@@ -603,56 +665,40 @@ def _shared_compressor(
     def compress(updates, state, params=None, **extra_args):
         del params, extra_args
         comm.require_axis(axis_name, caller)
-        leaves, treedef = jax.tree.flatten(updates)
-        key, _ = jax.random.split(state.key)
-        sent, puts, residual = [], [], []
-        for x, tp in zip(leaves, plan_and_puts(updates, state)):
-            v = jnp.ravel(x)
-            if tp is None:
-                sent.append(v)
-                puts.append(None)
-                residual.append(jnp.zeros_like(v))
-            else:
-                take, put, drop = tp
-                sent.append(take(v))
-                puts.append(put)
-                residual.append(drop(v))
-        # A leaf typed invariant (updates that arrived reduced, with a replicated residual)
-        # is the same on every worker: its own mean, and what follows from it stays invariant.
+        # Leaves typed invariant (updates that arrived reduced, with a replicated residual)
+        # are grouped apart: each is the same on every worker, its own mean, and what
+        # follows from it stays invariant.
+        lay = _layout(updates, axis_name)
+        rows = lay.stack()
+        triples = plan_triples(lay, state)
+        sent = [x if tp is None else tp[0](x) for x, tp in zip(rows, triples)]
         means = comm.reduce(
             sent, axis_name, reduction="mean", flatten=True, caller=caller, invariant_updates="mean"
         )
-        out = [m if put is None else put(m) for m, put in zip(means, puts)]
-        return (
-            _unflatten(treedef, leaves, out),
-            _unflatten(treedef, leaves, residual),
-            state_cls(key=key),
-        )
+        out = [m if tp is None else tp[1](m) for m, tp in zip(means, triples)]
+        residual = [jnp.zeros_like(x) if tp is None else tp[2](x) for x, tp in zip(rows, triples)]
+        key, _ = jax.random.split(state.key)
+        return lay.tree(out), lay.tree(residual), state_cls(key=key)
 
-    def plan_and_puts(tree, state):
-        leaves = jax.tree.leaves(tree)
-        plan = _leaf_plan(base.leaf_sizes(tree), k, density, caller)
+    def plan_triples(lay, state):
+        plan = _group_plan(lay, k, density, caller)
         _, step_key = jax.random.split(state.key)
-        sparse = [
-            (li, math.prod(x.shape), kl) for li, (x, kl) in enumerate(zip(leaves, plan)) if kl is not None
-        ]
+        sparse = [(ids, d, kl) for ids, d, kl in zip(lay.groups.groups, lay.sizes(), plan) if kl is not None]
         picked = iter(pick(step_key, sparse) if sparse else [])
         return [None if kl is None else next(picked) for kl in plan]
 
     def encode(updates, state):
-        leaves, treedef = jax.tree.flatten(updates)
+        lay = _layout(updates)
         message, decoded = [], []
-        for x, tp in zip(leaves, plan_and_puts(updates, state)):
-            v = jnp.ravel(x)
-            message.append(v if tp is None else tp[0](v))
-            decoded.append(v if tp is None else tp[1](message[-1]))
+        for x, tp in zip(lay.stack(), plan_triples(lay, state)):
+            message.append(x if tp is None else tp[0](x))
+            decoded.append(x if tp is None else tp[1](message[-1]))
         key, _ = jax.random.split(state.key)
-        return message, _unflatten(treedef, leaves, decoded), state_cls(key=key)
+        return message, lay.tree(decoded), state_cls(key=key)
 
     def decode(message, like, state):
-        leaves, treedef = jax.tree.flatten(like)
-        out = [m if tp is None else tp[1](m) for m, tp in zip(message, plan_and_puts(like, state))]
-        return _unflatten(treedef, leaves, out)
+        lay = _layout(like)
+        return lay.tree([m if tp is None else tp[1](m) for m, tp in zip(message, plan_triples(lay, state))])
 
     return ef.Compressor(
         init,
@@ -669,37 +715,60 @@ def _shared_compressor(
 def _pick_random(pattern: str):
     def pick(step_key, plan):
         if pattern == "subset":
-            indices = [random_k_indices(step_key, li, size, k, pattern=pattern) for li, size, k in plan]
+            indices = []
+            for ids, size, k in plan:
+                leaves = jnp.asarray(ids, jnp.int32)
+                indices.append(
+                    jax.vmap(lambda li: random_k_indices(step_key, li, size, k, pattern=pattern))(leaves)
+                )
         else:
-            starts, strides = _progressions(step_key, plan)
-            indices = [_progression(starts[i], strides[i], size, k) for i, (_, size, k) in enumerate(plan)]
+            starts, strides = (_per_group(x, plan) for x in _progressions(step_key, _by_leaf(plan)))
+            indices = [
+                jax.vmap(lambda a, b, size=size, k=k: _progression(a, b, size, k))(a, b)
+                for a, b, (_, size, k) in zip(starts, strides, plan)
+            ]
         return [_index_triple(idx, size) for idx, (_, size, _) in zip(indices, plan)]
 
     return pick
 
 
+def _by_leaf(plan: Sequence[tuple[list[int], int, int]]) -> list[tuple[int, int, int]]:
+    """``(leaf, size, k)`` of every leaf of the groups ``(leaves, size, k)`` of ``plan``, group after group."""
+    return [(li, size, k) for ids, size, k in plan for li in ids]
+
+
+def _per_group(values: jax.Array, plan: Sequence[tuple[list[int], int, int]]) -> list[jax.Array]:
+    """One value per leaf of :func:`_by_leaf` -> per group of ``plan``, its leaves' values."""
+    return base.cut(values, [len(ids) for ids, _, _ in plan])
+
+
 def _index_triple(idx: jax.Array, size: int):
-    """``(take, put, drop)`` of a leaf of ``size`` entries sending those at ``idx``."""
-    return (lambda v: v[idx]), (lambda vals: _scatter(size, idx, vals)), (lambda v: _drop_masked(v, idx))
+    """``(take, put, drop)`` of stacked leaves ``(G, size)`` sending those at ``idx`` ``(G, k)``."""
+    return (
+        (lambda x: _take(x, idx)),
+        (lambda vals: _scatter(size, idx, vals)),
+        (lambda x: _drop_masked(x, idx)),
+    )
 
 
 def _pick_block(step_key, plan):
-    starts = _block_starts(step_key, plan)
-    return [_block_triple(starts[i], size, k) for i, (_, size, k) in enumerate(plan)]
+    starts = _per_group(_block_starts(step_key, _by_leaf(plan)), plan)
+    return [_block_triple(a, size, k) for a, (_, size, k) in zip(starts, plan)]
 
 
-def _block_triple(start: jax.Array, size: int, k: int):
-    """``(take, put, drop)`` of a leaf of ``size`` entries sending ``k`` from ``start`` on, wrapping."""
+def _block_triple(starts: jax.Array, size: int, k: int):
+    """``(take, put, drop)`` of stacked leaves ``(G, size)``, row ``g`` sending ``k`` entries
+    from ``starts[g]`` on, wrapping."""
 
-    def take(v):
-        return jnp.roll(v, -start)[:k]
+    def take(x):
+        return jax.vmap(lambda v, start: jnp.roll(v, -start)[:k])(x, starts)
 
     def put(vals):
-        return jnp.roll(jnp.pad(vals, (0, size - k)), start)
+        return jax.vmap(lambda v, start: jnp.roll(jnp.pad(v, (0, size - k)), start))(vals, starts)
 
-    def drop(v):
-        inside = (jnp.arange(size, dtype=jnp.int32) - start) % size < k
-        return jnp.where(inside, jnp.zeros_like(v), v)
+    def drop(x):
+        inside = (jnp.arange(size, dtype=jnp.int32)[None, :] - starts[:, None]) % size < k
+        return jnp.where(inside, jnp.zeros_like(x), x)
 
     return take, put, drop
 
