@@ -180,3 +180,55 @@ def test_resolve():
     np.testing.assert_allclose(base.resolve(optax.linear_schedule(0.0, 1.0, 10), jnp.asarray(5)), 0.5)
     with pytest.raises(ValueError, match="needs a step count"):
         base.resolve(optax.constant_schedule(1.0), None)
+
+
+# ----------------------------------------------------------------------------
+# Pieces cut at offsets hidden from the compiler (base.pieces and its users).
+
+
+def _fused_kernels(compiled_text: str) -> tuple[int, int]:
+    """(fused computations, distinct ones once their names are set aside) of a compiled HLO text."""
+    import re
+
+    blocks = re.findall(r"^(%?fused\S*) [^\n]*\{\n(.*?)\n\}", compiled_text, re.M | re.S)
+    bodies = {re.sub(r"%[\w.\-]+|\.\d+|metadata=\{[^}]*\}", "", body) for _, body in blocks}
+    return len(blocks), len(bodies)
+
+
+def test_pieces_are_the_slices_and_pieces_of_one_size_share_one_kernel():
+    sizes = [12] * 10 + [7] * 10
+    x = jnp.arange(sum(sizes), dtype=jnp.float32)
+    offsets = np.cumsum([0, *sizes]).tolist()
+
+    def static(x):
+        return [jnp.sin(x[a:b]) * 2 for a, b in zip(offsets, offsets[1:])]
+
+    def hidden(x):
+        return [jnp.sin(p) * 2 for p in base.cut(x, sizes)]
+
+    for a, b in zip(jax.jit(hidden)(x), jax.jit(static)(x)):
+        np.testing.assert_array_equal(a, b)
+    if jax.__version_info__ < (0, 12):
+        pytest.skip("XLA before jaxlib 0.12 folds constants through an optimization barrier (0.10.0 does)")
+    count, distinct = _fused_kernels(jax.jit(hidden).lower(x).compile().as_text())
+    assert count == 20 and distinct <= 3, (count, distinct)
+    # The check can fail: static offsets give every piece a kernel of its own.
+    assert _fused_kernels(jax.jit(static).lower(x).compile().as_text()) == (20, 20)
+
+
+def test_rows_unpack_and_by_dtype_give_the_plain_values():
+    stack = jnp.arange(24.0).reshape(4, 2, 3)
+    for r, want in zip(base.rows(stack), stack):
+        np.testing.assert_array_equal(r, want)
+    wide = jnp.arange(30.0).reshape(3, 10)
+    for p, (a, b) in zip(base.cut(wide, [4, 6], axis=1), [(0, 4), (4, 10)]):
+        np.testing.assert_array_equal(p, wide[:, a:b])
+    flat = jnp.arange(13.0)
+    got = base.unpack(flat, [(2, 3), (4,), ()])
+    for g, want in zip(got, [flat[:6].reshape(2, 3), flat[6:10], flat[10]]):
+        np.testing.assert_array_equal(g, want)
+    arrays = [jnp.ones((2, 2)), jnp.arange(3, dtype=jnp.int32), jnp.full((3,), 2.0)]
+    doubled = base.by_dtype(arrays, lambda v: v * 2)
+    for d, a in zip(doubled, arrays):
+        assert d.dtype == a.dtype and d.shape == a.shape
+        np.testing.assert_array_equal(d, a * 2)
