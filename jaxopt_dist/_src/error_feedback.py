@@ -348,24 +348,25 @@ def onebit_allreduce(
       ``shard_map``), and the new errors (per-worker).
     """
     n = num_workers
-    rows, new_we = [], []
-    for m, e in zip(leaves, worker_errors):
-        r, e = _worker_side(m, e, n)
-        rows.append(r)
-        new_we.append(e)
-    widths = [r.shape[1] for r in rows]
-    received = comm.all_to_all(jnp.concatenate(rows, axis=1), axis_name, caller=caller)
-    payload, new_se, offset = [], [], 0
-    for w, e in zip(widths, server_errors):
-        msg, e = _server_side(received[:, offset : offset + w], e, n, axis_name)
-        payload += msg
+    groups = base.LeafGroups(leaves)  # the work runs once per leaf shape, on the group's leaves stacked
+    ms, wes, ses = groups.stack(leaves), groups.stack(worker_errors), groups.stack(server_errors)
+    sent = [jax.vmap(lambda m, e: _worker_side(m, e, n))(m, e) for m, e in zip(ms, wes)]  # rows (G, n, w)
+    widths = [r.shape[0] * r.shape[2] for r, _ in sent]
+    rows = jnp.concatenate([jnp.moveaxis(r, 0, 1).reshape(n, -1) for r, _ in sent], axis=1)
+    received = comm.all_to_all(rows, axis_name, caller=caller)
+    payload, new_se = [], []
+    for r, e in zip(base.cut(received, widths, axis=1), ses):
+        g = e.shape[0]
+        (bits, scale), e = jax.vmap(lambda x, y: _server_side(x, y, n, axis_name))(
+            jnp.moveaxis(r.reshape(n, g, -1), 1, 0), e
+        )
+        payload += [bits, scale]
         new_se.append(e)
-        offset += w
     gathered = comm.all_gather_packed(payload, axis_name, caller=caller)
     out = []
-    for j, m in enumerate(leaves):
-        bits, scales = gathered[2 * j], gathered[2 * j + 1]  # (n, chunk / 8), (n,)
-        chunk = bits.shape[1] * 8
-        signs = _pm(jnp.unpackbits(bits, axis=1, count=chunk).astype(bool))
-        out.append((signs * scales[:, None]).reshape(-1)[: m.size].reshape(m.shape))
-    return out, new_we, new_se
+    for j, m in enumerate(ms):
+        bits, scales = gathered[2 * j], gathered[2 * j + 1]  # (n, G, chunk / 8), (n, G)
+        signs = _pm(jnp.unpackbits(bits, axis=2, count=bits.shape[2] * 8).astype(bool))
+        whole = jnp.moveaxis(signs * scales[:, :, None], 1, 0).reshape(m.shape[0], -1)
+        out.append(whole[:, : math.prod(m.shape[1:])].reshape(m.shape))
+    return groups.unstack(out), groups.unstack([e for _, e in sent]), groups.unstack(new_se)
