@@ -215,6 +215,18 @@ def _check_schedule(
         )
 
 
+def _check_eager_aggregate(aggregate: Any, eager: bool) -> None:
+    """``eager`` replaces a worker's share of the aggregate by its fresh pseudo-gradient: not for a robust rule."""
+    rule = base.gathered_of(aggregate)
+    if eager and rule is not None:
+        raise ValueError(
+            f"`eager=True` does not take `aggregate={rule.name}(...)`: the eager step adds each worker's own "
+            "fresh pseudo-gradient to its anchor in place of its share of a mean, and a robust rule over the "
+            "workers' whole contributions has no share to replace (the worker's own values would pass "
+            "unscreened). To overlap the exchange with inner steps use `sync_delay` >= 1 with `overlap=True`."
+        )
+
+
 def _finishing(second: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     """``OuterExchange.finish`` for an aggregate's second stage ``second(leaves, state)``."""
 
@@ -490,6 +502,7 @@ def diloco(
     num_fragments = base.check_positive_int(num_fragments, "num_fragments")
     sync_delay = base.check_positive_int(sync_delay, "sync_delay", minimum=0)
     _check_schedule(sync_every, num_fragments, sync_delay, overlap=overlap, eager=eager)
+    _check_eager_aggregate(aggregate, eager)
     base.check_hyperparameter(mixing, "mixing", lower=0.0, upper=1.0)
     if fragment_assignment not in _ASSIGNMENTS:
         raise ValueError(f"`fragment_assignment` must be one of {_ASSIGNMENTS}; got {fragment_assignment!r}.")
