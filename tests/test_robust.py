@@ -481,3 +481,93 @@ def test_communication_cost_counts_the_all_gather():
         jd.diloco(_inner(), sync_every=4, aggregate=jd.coordinate_median()), params, num_workers=8
     )
     assert cost.sent_bytes == pytest.approx(7 * d / 4)
+
+
+# ----------------------------------------------------------------------------
+# With data_parallel_step: sharded parameters, and a state resharded for fewer workers.
+
+MODEL_SPECS = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P("fsdp", None)}
+
+
+def _model():
+    rng = np.random.default_rng(3)
+    return {
+        "w1": (rng.standard_normal((8, 16)) / np.sqrt(8)).astype(np.float32),
+        "b1": np.zeros(16, np.float32),
+        "w2": (rng.standard_normal((16, 4)) / 4).astype(np.float32),
+    }
+
+
+def _model_loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"][None])
+    return jnp.mean(jnp.sum((h @ p["w2"] - batch["y"]) ** 2, axis=-1))
+
+
+def _batch(t):
+    rng = np.random.default_rng(50 + t)
+    return {
+        "x": rng.standard_normal((16, 8)).astype(np.float32),
+        "y": rng.standard_normal((16, 4)).astype(np.float32),
+    }
+
+
+def _signflip(worker, factor=10.0):
+    """Worker ``worker`` sends ``-factor`` times its update (a test's Byzantine worker)."""
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        bad = jax.lax.axis_index("data") == worker
+        return jax.tree.map(lambda u: jnp.where(bad, -factor * u, u), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+SHARDED = {
+    "trimmed_mean": lambda: jd.trimmed_mean(1),
+    "coordinate_median": jd.coordinate_median,
+    "centered_clip": lambda: jd.centered_clip(1.0),
+    "norm_clipped_mean": jd.norm_clipped_mean,
+}
+
+
+def _train(tx, mesh, specs, steps, start=0, params=None, state=None):
+    step = jd.data_parallel_step(_model_loss, tx, mesh=mesh, param_specs=specs)
+    if params is None:
+        params, state = step.init(_model())
+    for t in range(start, start + steps):
+        params, state, _ = step(params, state, _batch(t))
+    return params, state
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_parameters_match_replicated_with_a_byzantine_worker(name):
+    """4 replicas x 2 "fsdp" against 4 replicas, worker 1 sending -10 times its gradient's momentum."""
+
+    def make():
+        return optax.chain(jd.scale_by_momentum(0.9), _signflip(1), SHARDED[name](), jd.sgd(0.05))
+
+    sharded = jax.make_mesh((4, 2), ("data", "fsdp"))
+    got, state = _train(make(), sharded, MODEL_SPECS, 4)
+    want, _ = _train(make(), helpers.make_mesh(4), None, 4)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+        assert tuple(got[k].sharding.spec) == tuple(MODEL_SPECS[k]), (k, got[k].sharding.spec)
+    if name == "centered_clip":  # the center is stored sharded like its parameter
+        center = state[2].center
+        for k, spec in MODEL_SPECS.items():
+            assert tuple(center[k].sharding.spec) == tuple(spec), (k, center[k].sharding.spec)
+
+
+def test_centered_clip_state_reshards_to_fewer_workers():
+    """The center and the count are replicated: resharding for 2 workers copies them."""
+    tx = optax.chain(jd.scale_by_momentum(0.9), jd.centered_clip(1.0), jd.sgd(0.05))
+    params, state = _train(tx, helpers.make_mesh(4), None, 3)
+    host = jax.device_get(state)
+    moved = jd.reshard_opt_state(host, tx, _model(), num_workers=2)
+    helpers.assert_trees_equal(moved[1], host[1])
+    assert np.asarray(moved[0].momentum["w1"]).shape[0] == 2  # the per-worker momentum is regrouped
+    mesh2 = helpers.make_mesh(2)
+    placed = jd.place_opt_state(moved, tx, _model(), mesh=mesh2)
+    params, state = _train(tx, mesh2, None, 2, start=3, params=jax.device_get(params), state=placed)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((params, state)))
