@@ -4,6 +4,8 @@ parameters, and a NaN from one worker kept from every parameter."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import optax
 import pytest
 
 import jaxopt_dist as jd
+from jaxopt_dist._src import robust
 from tests import helpers
 from tests.test_diloco import INNER_LR, INNER_MOM, SHAPES, np_diloco
 
@@ -222,6 +225,29 @@ def test_centered_clip_keeps_its_output_as_state_and_follows_a_radius_schedule(b
     assert np.all(np.asarray(state.count) == T)
 
 
+def test_the_sorting_network_sorts():
+    """By the 0-1 principle (every 0-1 input sorted) up to 12 inputs, and on random inputs up to its limit."""
+    rng = np.random.default_rng(0)
+    for n in range(1, robust.NETWORK_MAX_WORKERS + 1):
+        pairs = robust.sorting_network(n)
+        inputs = itertools.product((0, 1), repeat=n) if n <= 12 else rng.standard_normal((50, n))
+        for v in inputs:
+            v = list(v)
+            for i, j in pairs:
+                v[i], v[j] = min(v[i], v[j]), max(v[i], v[j])
+            assert v == sorted(v), n
+    assert len(robust.sorting_network(8)) == 19
+
+
+def test_beyond_the_network_jnp_sort_gives_the_same():
+    n = robust.NETWORK_MAX_WORKERS + 3
+    g = _stacked(n, seed=4, faults=[(5, "w", np.nan)], outlier=9)
+    got = helpers.run_on_workers(
+        lambda g: jd.trimmed_mean(3).update(g, optax.EmptyState())[0], g, backend="vmap"
+    )
+    helpers.assert_trees_close(got, np_trimmed_mean(_workers(g), 3), rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------
 # Edge cases of the trim and of m.
 
@@ -344,8 +370,13 @@ CHAINS = {
 }
 
 
-@pytest.mark.parametrize("backend", helpers.BACKENDS)
-@pytest.mark.parametrize("name", list(CHAINS))
+NAN_CASES = [(name, "vmap") for name in CHAINS] + [
+    ("trimmed_mean", "shard_map"),
+    ("centered_clip", "shard_map"),
+]
+
+
+@pytest.mark.parametrize("name,backend", NAN_CASES)
 def test_a_nan_worker_is_as_if_absent_and_never_reaches_a_parameter(name, backend):
     """Worker 2's gradient holds a NaN at every step (its momentum too): every parameter stays finite,
     and the run equals the run of the other three workers alone."""

@@ -365,7 +365,10 @@ def diloco(
     the new anchor). ``aggregate`` defaults to the mean over workers (sum,
     then division by their number); any compressor of this library may
     stand there (:func:`low_bit`, :func:`top_k`, :func:`powersgd`...), with
-    its residual kept per fragment in the state. ``outer`` defaults to
+    its residual kept per fragment in the state, and so may a robust rule
+    (:func:`trimmed_mean`, :func:`coordinate_median`, :func:`centered_clip`,
+    :func:`norm_clipped_mean`: a worker whose pseudo-gradient is not finite
+    is left out of that synchronisation; not with ``eager``). ``outer`` defaults to
     Nesterov SGD with learning rate 0.7 and momentum 0.9 (the paper's).
 
     Streaming DiLoCo (``num_fragments = F``, ``H % F == 0``): the leaves are
@@ -428,7 +431,8 @@ def diloco(
         of a fragment's leaves (a list); default
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
       aggregate: how pseudo-gradients are combined over workers; it must
-        return the same value on every worker. Default: the mean.
+        return the same value on every worker. Default: the mean (one worker's
+        NaN makes the anchor NaN; a robust rule leaves that worker out).
       num_fragments: ``F`` (>= 1, divides ``H``, at most the number of leaves).
       sync_delay: ``tau`` (0 <= tau < H / F).
       mixing: ``alpha`` in [0, 1], a float or a schedule of the step count.
