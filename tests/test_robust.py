@@ -553,6 +553,18 @@ def _signflip(worker, factor=10.0):
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
+def _nan_in_one_shard(worker):
+    """Worker ``worker`` sends a NaN at ``w1[0, 15]``, which lives on the second "fsdp" shard only."""
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        bad = jax.lax.axis_index("data") == worker
+        w1 = updates["w1"].at[0, 15].set(jnp.where(bad, jnp.nan, updates["w1"][0, 15]))
+        return {**updates, "w1": w1}, state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
 SHARDED = {
     "trimmed_mean": lambda: jd.trimmed_mean(1),
     "coordinate_median": jd.coordinate_median,
@@ -588,6 +600,22 @@ def test_sharded_parameters_match_replicated_with_a_byzantine_worker(name):
         center = state[2].center
         for k, spec in MODEL_SPECS.items():
             assert tuple(center[k].sharding.spec) == tuple(spec), (k, center[k].sharding.spec)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("name", ["trimmed_mean", "centered_clip"])
+def test_sharded_parameters_leave_out_a_worker_whose_nan_is_on_one_shard(name):
+    """Worker 2's NaN lies on one "fsdp" shard of one leaf: every shard of every leaf leaves worker 2
+    out (the replicated run's numbers, all finite), not only the shard that holds the NaN."""
+
+    def make():
+        return optax.chain(jd.scale_by_momentum(0.9), _nan_in_one_shard(2), SHARDED[name](), jd.sgd(0.05))
+
+    got, _ = _train(make(), jax.make_mesh((4, 2), ("data", "fsdp")), MODEL_SPECS, 3)
+    want, _ = _train(make(), helpers.make_mesh(4), None, 3)
+    for k in want:
+        assert np.all(np.isfinite(np.asarray(got[k]))), k
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_centered_clip_state_reshards_to_fewer_workers():
