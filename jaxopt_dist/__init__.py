@@ -58,6 +58,13 @@ from jaxopt_dist._src.precision import (
     master_weights,
 )
 from jaxopt_dist._src.quantize import QSGDState, qsgd, scaled_sign, sign_majority_vote
+from jaxopt_dist._src.robust import (
+    CenteredClipState,
+    centered_clip,
+    coordinate_median,
+    norm_clipped_mean,
+    trimmed_mean,
+)
 from jaxopt_dist._src.sparseloco import (
     ChunkedTopKState,
     StatisticalQuantizeState,
@@ -98,6 +105,7 @@ __all__ = (
     "AverageParamsState",
     "AxisName",
     "BlockKState",
+    "CenteredClipState",
     "ChocoGossipState",
     "Codec",
     "CommunicationCost",
@@ -146,10 +154,12 @@ __all__ = (
     "average_params",
     "averaged_params",
     "block_k",
+    "centered_clip",
     "choco_gossip",
     "chunked_top_k",
     "communication_cost",
     "compressed_leaves",
+    "coordinate_median",
     "data_parallel_step",
     "overlapped_step",
     "decoupled_momentum",
@@ -178,6 +188,7 @@ __all__ = (
     "muon",
     "noloco",
     "noloco_groups",
+    "norm_clipped_mean",
     "onebit_adam",
     "opt_state_placement",
     "opt_state_specs",
@@ -203,6 +214,7 @@ __all__ = (
     "statistical_quantize",
     "threshold",
     "top_k",
+    "trimmed_mean",
     "use_platform",
     "zero_one_adam",
 )

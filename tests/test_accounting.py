@@ -127,6 +127,11 @@ CASES.append(
 CASES.append(
     ("qsgd_all_gather", lambda: qsgd(4, aggregate="all_gather"), False, GATHER * (1 * D + 4 * len(SIZES)))
 )
+# Robust rules: one all-gather of the float32 updates, (n - 1) D floats sent per worker.
+CASES.append(("trimmed_mean", lambda: jd.trimmed_mean(2), False, GATHER * 4 * D))
+CASES.append(("coordinate_median", lambda: jd.coordinate_median(), False, GATHER * 4 * D))
+CASES.append(("centered_clip", lambda: jd.centered_clip(1.0, iterations=3), False, GATHER * 4 * D))
+CASES.append(("norm_clipped_mean", lambda: jd.norm_clipped_mean(), False, GATHER * 4 * D))
 IDS = [c[0] for c in CASES]
 
 

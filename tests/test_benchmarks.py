@@ -37,6 +37,7 @@ QUICK = {
         "dense AdamW,DiLoCo H=50,0/1 Adam,choco_top10%",
     ],
     "bench_overhead": ["--quick"],
+    "bench_robust": ["--quick"],
     "multihost_sum_order": [],
 }
 

@@ -111,6 +111,10 @@ FAMILIES = {
         lambda: optax.chain(jd.powersgd(rank=2, one_allreduce=True), _sgd()), per_worker_state=True
     ),
     "adasum": Family(lambda: optax.chain(jd.adasum(), _sgd()), per_worker_state=False),
+    "centered_clip": Family(
+        lambda: optax.chain(jd.scale_by_momentum(MOM), jd.centered_clip(0.5), jd.sgd(LR)),
+        per_worker_state=True,  # the momentum runs before the clipping; the center is replicated
+    ),
     "gossip": Family(
         lambda: optax.chain(_sgd(), jd.gossip("exponential", track_consensus=True)),
         per_worker_state=True,

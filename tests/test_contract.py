@@ -43,6 +43,11 @@ TRANSFORMS = [
         False,
     ),
     ("adasum", lambda: jd.adasum(), False),
+    # Robust rules: trim 0 on these 2 workers (a trim needs more than 2 trim workers).
+    ("trimmed_mean", lambda: jd.trimmed_mean(0), False),
+    ("coordinate_median", lambda: jd.coordinate_median(), False),
+    ("centered_clip", lambda: jd.centered_clip(10.0), False),
+    ("norm_clipped_mean", lambda: jd.norm_clipped_mean(), False),
     ("adasum_halving", lambda: jd.adasum(method="halving"), False),
     ("gossip_ring", lambda: jd.gossip("ring", track_consensus=True), True),
     ("iterate_average", lambda: jd.iterate_average(), False),
@@ -76,6 +81,10 @@ _CENTRALIZED = {
     "adasum",
     "adasum_halving",
     "low_bit",
+    "trimmed_mean",
+    "coordinate_median",
+    "centered_clip",
+    "norm_clipped_mean",
 }
 # Aggregate and step on their own (diloco: local steps and the outer step).
 _SELF_CONTAINED = {
@@ -183,6 +192,11 @@ _ONE_WORKER = {
     "adasum": lambda: jd.sgd(0.1, 0.9),
     "adasum_halving": lambda: jd.sgd(0.1, 0.9),
     "choco_gossip": lambda: jd.sgd(0.1),
+    # The robust rules keep one worker's update as it is (centered_clip: within its radius of 0).
+    "trimmed_mean": lambda: jd.sgd(0.1, 0.9),
+    "coordinate_median": lambda: jd.sgd(0.1, 0.9),
+    "centered_clip": lambda: jd.sgd(0.1, 0.9),
+    "norm_clipped_mean": lambda: jd.sgd(0.1, 0.9),
 }
 # Lossy compressors (lossy on one worker too), dim_reduce and iterate_average have
 # their own one-worker tests in their modules' test files.
@@ -269,6 +283,10 @@ def test_outside_a_mapped_axis(name, factory, per_worker):
             "qsgd",
             "powersgd",
             "adasum",
+            "trimmed_mean",
+            "coordinate_median",
+            "centered_clip",
+            "norm_clipped_mean",
             "gossip",
             "dynamic_loss_scale",
             "apply_if_finite_everywhere",

@@ -488,3 +488,37 @@ def by_dtype(arrays: Any, op: Any) -> list[jax.Array]:
         for i, x in zip(idx, unpack(flat, [np.shape(arrays[i]) for i in idx])):
             out[i] = x
     return out
+
+
+# ----------------------------------------------------------------------------
+# Aggregates that combine every worker's whole contribution (robust rules).
+
+
+class GatheredRule(NamedTuple):
+    """An aggregate whose result is a rule applied to every worker's contribution, gathered in worker order.
+
+    For merges that gather the contributions elsewhere (islands: over a
+    transport): ``combine(stacked, state)`` maps the contributions' leaves,
+    each stacked along a leading worker axis (``(n, *shape)``, row ``i`` from
+    worker ``i``), and the aggregate's state before the step (the same on
+    every worker) to ``(leaves, new state)``, with no communication. Rows with
+    a NaN or an infinity in any leaf are left out by the rule itself. The same
+    program on the same rows gives the same bits on every member.
+    """
+
+    combine: Any
+    name: str
+
+
+_GATHERED: weakref.WeakKeyDictionary[Any, GatheredRule] = weakref.WeakKeyDictionary()
+
+
+def declare_gathered(tx: Any, combine: Any, name: str) -> Any:
+    """Records that ``tx`` (an aggregate) is ``combine`` applied to the gathered contributions; returns ``tx``."""
+    _GATHERED[tx.update] = GatheredRule(combine, name)
+    return tx
+
+
+def gathered_of(tx: Any) -> GatheredRule | None:
+    """The :class:`GatheredRule` declared for ``tx``, or None (not a rule over gathered contributions)."""
+    return registered(_GATHERED, tx)

@@ -215,6 +215,18 @@ def _check_schedule(
         )
 
 
+def _check_eager_aggregate(aggregate: Any, eager: bool) -> None:
+    """``eager`` replaces a worker's share of the aggregate by its fresh pseudo-gradient: not for a robust rule."""
+    rule = base.gathered_of(aggregate)
+    if eager and rule is not None:
+        raise ValueError(
+            f"`eager=True` does not take `aggregate={rule.name}(...)`: the eager step adds each worker's own "
+            "fresh pseudo-gradient to its anchor in place of its share of a mean, and a robust rule over the "
+            "workers' whole contributions has no share to replace (the worker's own values would pass "
+            "unscreened). To overlap the exchange with inner steps use `sync_delay` >= 1 with `overlap=True`."
+        )
+
+
 def _finishing(second: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     """``OuterExchange.finish`` for an aggregate's second stage ``second(leaves, state)``."""
 
@@ -353,7 +365,10 @@ def diloco(
     the new anchor). ``aggregate`` defaults to the mean over workers (sum,
     then division by their number); any compressor of this library may
     stand there (:func:`low_bit`, :func:`top_k`, :func:`powersgd`...), with
-    its residual kept per fragment in the state. ``outer`` defaults to
+    its residual kept per fragment in the state, and so may a robust rule
+    (:func:`trimmed_mean`, :func:`coordinate_median`, :func:`centered_clip`,
+    :func:`norm_clipped_mean`: a worker whose pseudo-gradient is not finite
+    is left out of that synchronisation; not with ``eager``). ``outer`` defaults to
     Nesterov SGD with learning rate 0.7 and momentum 0.9 (the paper's).
 
     Streaming DiLoCo (``num_fragments = F``, ``H % F == 0``): the leaves are
@@ -416,7 +431,8 @@ def diloco(
         of a fragment's leaves (a list); default
         ``optax.sgd(0.7, momentum=0.9, nesterov=True)``.
       aggregate: how pseudo-gradients are combined over workers; it must
-        return the same value on every worker. Default: the mean.
+        return the same value on every worker. Default: the mean (one worker's
+        NaN makes the anchor NaN; a robust rule leaves that worker out).
       num_fragments: ``F`` (>= 1, divides ``H``, at most the number of leaves).
       sync_delay: ``tau`` (0 <= tau < H / F).
       mixing: ``alpha`` in [0, 1], a float or a schedule of the step count.
@@ -490,6 +506,7 @@ def diloco(
     num_fragments = base.check_positive_int(num_fragments, "num_fragments")
     sync_delay = base.check_positive_int(sync_delay, "sync_delay", minimum=0)
     _check_schedule(sync_every, num_fragments, sync_delay, overlap=overlap, eager=eager)
+    _check_eager_aggregate(aggregate, eager)
     base.check_hyperparameter(mixing, "mixing", lower=0.0, upper=1.0)
     if fragment_assignment not in _ASSIGNMENTS:
         raise ValueError(f"`fragment_assignment` must be one of {_ASSIGNMENTS}; got {fragment_assignment!r}.")
