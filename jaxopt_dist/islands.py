@@ -142,9 +142,9 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     Communication:
       Nothing inside the step. Per round: the ``aggregate`` on the island's
       own devices, then one float32 all-reduce over the transport of the
-      fragment's elements plus ``1 + 15 * num_slots`` floats (the weight,
+      fragment's elements plus ``1 + 16 * num_slots`` floats (the weight,
       then per slot its presence, weight, round, anchor tag, heal flag, join
-      round, nonce and 8 settings), and a one-float all-reduce for the commit
+      round, nonce, fragment and 8 settings), and a one-float all-reduce for the commit
       vote;
       a healing island receives a whole copy of the parameters and optimizer
       state.

@@ -883,7 +883,7 @@ def test_a_healing_state_crosses_http_raw_without_pickle():
 
 
 def test_the_documented_buffer_size_is_the_packed_one():
-    """islands.island's docstring gives the floats a round adds to the fragment: 1 + 15 * num_slots."""
-    assert "``1 + 15 * num_slots`` floats" in islands.island.__doc__
+    """islands.island's docstring gives the floats a round adds to the fragment: 1 + 16 * num_slots."""
+    assert "``1 + 16 * num_slots`` floats" in islands.island.__doc__
     for n in (4, 64):
-        assert islands.pack([np.ones(3)], 1.0, slot=0, num_slots=n).size == 3 + 1 + 15 * n
+        assert islands.pack([np.ones(3)], 1.0, slot=0, num_slots=n).size == 3 + 1 + 16 * n
