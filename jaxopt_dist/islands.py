@@ -24,7 +24,15 @@ from jaxopt_dist._src.islands.merge import (
     unpack,
     weighted_mean,
 )
-from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandRefused, IslandsError, Transport
+from jaxopt_dist._src.islands.transport import (
+    ExchangeError,
+    Healed,
+    HealRefused,
+    IslandRefused,
+    IslandsError,
+    Transport,
+)
+from jaxopt_dist._src.islands.wire import read_secret
 
 
 def torchft_transport(lighthouse: str, **options: Any) -> Transport:
@@ -48,7 +56,11 @@ def torchft_transport(lighthouse: str, **options: Any) -> Transport:
         ``quorum_retries`` (times a failed quorum request is retried, e.g.
         while the lighthouse restarts; default 0), ``requery`` (seconds
         between renewals of a waiting quorum request, below the lighthouse's
-        join timeout; default 0.5).
+        join timeout; default 0.5), ``secret`` (the islands' shared secret,
+        bytes of at least 16, e.g. :func:`read_secret`: every contribution
+        and healing response carries its HMAC-SHA256 tag, those without it
+        are dropped or refused, and the float32 mean goes over the gather
+        path; default None).
 
     Returns:
       A :class:`Transport` for one :class:`Island`.
@@ -154,6 +166,7 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
 
 __all__ = (
     "ExchangeError",
+    "HealRefused",
     "Healed",
     "Island",
     "IslandKilled",
@@ -170,6 +183,7 @@ __all__ = (
     "island_share",
     "island_weight",
     "pack",
+    "read_secret",
     "start_lighthouse",
     "torchft_transport",
     "unpack",

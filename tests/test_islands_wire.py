@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxopt_dist as jd
+from jaxopt_dist import islands
 from jaxopt_dist._src import base
 from jaxopt_dist._src.islands import gather, merge, wire
 
@@ -170,8 +171,8 @@ def test_secret_checks():
 def test_combine_drops_a_bad_record_and_merges_the_rest_in_island_order():
     like = [np.zeros((2, 3), np.float32)]
 
-    def decode(fragment, message):
-        del fragment
+    def decode(fragment, message, state):
+        del fragment, state
         return [message[1]], None
 
     ex = gather.Exchange(SECRET, dict(_LAYOUTS), decode, {0: like})
@@ -183,3 +184,102 @@ def test_combine_drops_a_bad_record_and_merges_the_rest_in_island_order():
     want = (_message(0)[1] + _message(2)[1]) / np.float32(2)
     np.testing.assert_array_equal(got.merged.delta[0], want)
     assert isinstance(merge.Merged, type)
+
+
+# ------------------------------------------------------------------ healing
+
+
+def _heal_state():
+    rng = np.random.default_rng(1)
+    return {"params": [rng.normal(size=(3, 4)).astype(np.float32)], "step": 3}
+
+
+def _served(payload: bytes):
+    """A server answering every request with ``payload`` (a hostile healing source)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload) + 64))  # promises more than it sends
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            del args
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/heal/3"
+
+
+def _stream(secret=SECRET, tree=None) -> bytes:
+    from jaxopt_dist._src.islands import heal_http
+
+    staged = heal_http.stage(_heal_state() if tree is None else tree, step=3, source=2, secret=secret)
+    return b"".join(bytes(c) for c in staged.chunks())
+
+
+def _expected():
+    from jaxopt_dist._src.islands import heal_http
+
+    return heal_http.Expected([("params/0", "float32", (3, 4))])
+
+
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("pickle", "a pickle"),
+        ("truncated", "the stream ended"),
+        ("corrupted", "does not match its SHA-256"),
+        ("other model", "does not fit this island's state"),
+        ("no tag", "carries no tag"),
+        ("wrong secret", "tag is wrong"),
+    ],
+)
+def test_a_bad_healing_state_is_refused_naming_source_and_reason(case, reason, tmp_path):
+    import pickle
+    import time
+
+    from jaxopt_dist._src.islands import heal_http
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    body = {
+        "pickle": lambda: pickle.dumps(Payload()),
+        "truncated": lambda: _stream()[:-5],
+        "corrupted": lambda: _stream()[:-1] + b"\x00",
+        "other model": lambda: _stream(tree={"params": [np.zeros((4, 4), np.float32)], "step": 3}),
+        "no tag": lambda: _stream(secret=None),
+        "wrong secret": lambda: _stream(secret=b"not-the-islands-secret"),
+    }[case]()
+    server, url = _served(body)
+    try:
+        with pytest.raises(islands.HealRefused, match=reason) as e:
+            heal_http.fetch(url, deadline=time.monotonic() + 10, secret=SECRET, expect=_expected())
+        assert url in str(e.value)
+    finally:
+        server.shutdown()
+    assert not marker.exists()
+
+
+def test_a_good_healing_state_with_the_secret_arrives_whole():
+    import time
+
+    from jaxopt_dist._src.islands import heal_http
+
+    server = heal_http.HealServer("127.0.0.1", source=2, secret=SECRET)
+    try:
+        server.stage(3, _heal_state())
+        got = heal_http.fetch(
+            server.url + "3", deadline=time.monotonic() + 10, secret=SECRET, expect=_expected()
+        )
+        np.testing.assert_array_equal(got["params"][0], _heal_state()["params"][0])
+        assert server.sent > 0
+    finally:
+        server.close()

@@ -81,15 +81,16 @@ class Exchange:
     Attributes:
       secret: the islands' shared secret, or None.
       layouts: per fragment (-1: a join, nothing), the layout of its message.
-      decode: ``decode(fragment, message) -> (values, support)``, the
-        aggregate's decoding of one island's message (host arrays).
+      decode: ``decode(fragment, message, state) -> (values, support)``, the
+        aggregate's decoding of one island's message (host arrays), given
+        this island's aggregate state of the fragment before the round.
       like: per fragment, its leaves' shapes and dtypes.
       rule: the :data:`Rule` combining the decoded contributions.
     """
 
     secret: bytes | None
     layouts: dict[int, wire.Layout]
-    decode: Callable[[int, list[np.ndarray]], tuple[list[Any], list[Any] | None]]
+    decode: Callable[[int, list[np.ndarray], Any], tuple[list[Any], list[Any] | None]]
     like: dict[int, list[Any]]
     rule: Rule = weighted_mean
 
@@ -113,7 +114,9 @@ class Gathered(NamedTuple):
     rejected: list[wire.Rejected]
 
 
-def combine(records: Sequence[np.ndarray], ex: Exchange, fragment: int, *, num_slots: int) -> Gathered:
+def combine(
+    records: Sequence[np.ndarray], ex: Exchange, fragment: int, *, num_slots: int, state: Any = None
+) -> Gathered:
     """The round from the members' ``records``: each opened and checked, the accepted decoded and combined
     in island order with ``ex.rule`` (the merged leaves of ``fragment``, this island's), the slot table
     read off their headers as :func:`.merge.unpack` reads it off a summed buffer."""
@@ -139,6 +142,13 @@ def combine(records: Sequence[np.ndarray], ex: Exchange, fragment: int, *, num_s
             rejected.append(wire.Rejected(h.island, f"its header is out of range: {e}"))
     like = ex.like.get(fragment, [])
     mine = [o for o in accepted if o.header.fragment == fragment and o.header.weight > 0]
-    decoded = [Decoded(o.header.island, o.header.weight, *ex.decode(fragment, o.message)) for o in mine]
+    decoded = [
+        Decoded(o.header.island, o.header.weight, *_host(ex.decode(fragment, o.message, state))) for o in mine
+    ]
     delta = ex.rule(decoded, like) if like else []
     return Gathered(merge.unpack(table, [], num_slots=num_slots)._replace(delta=delta), rejected)
+
+
+def _host(decoded: tuple[Any, Any]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    values, support = decoded
+    return [np.asarray(v) for v in values], None if support is None else [np.asarray(x) for x in support]
