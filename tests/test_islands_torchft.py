@@ -422,6 +422,19 @@ print(json.dumps(out))
 """
 
 
+def _script_output(cmd: list[str]) -> dict:
+    """The last line a script printed, as JSON (it must exit with 0 within 120 s)."""
+    r = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_a_heal_may_take_longer_than_the_exchange_timeout():
     """A heal has a timeout of its own: 4 MB over a 16 Mbit/s link (2 s) heals with a 0.5 s exchange
     timeout, and the rounds around it commit (in a network namespace, its loopback shaped with tc).
@@ -431,15 +444,7 @@ def test_a_heal_may_take_longer_than_the_exchange_timeout():
         if REQUIRED:
             pytest.fail(f"this test must run here, but it cannot shape a link: {why}")
         pytest.skip(f"cannot shape a link here: {why}")
-    r = subprocess.run(
-        ["unshare", "--net", sys.executable, "-c", _HEAL_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error"},
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _script_output(["unshare", "--net", sys.executable, "-c", _HEAL_SCRIPT])
     heals = out["heals2"]  # its join, and again after it fell behind (fall_behind)
     assert len(heals) == 2 and all(h["bytes"] == 4_000_000 and 1.0 < h["seconds"] < 20.0 for h in heals), out
     assert len(out["commits2"]) == 3, out
@@ -569,15 +574,7 @@ def test_bad_contributions_and_healing_states_are_refused_losing_no_round(tmp_pa
     corrupted array, another model's state, and states under another secret or none: each refused with
     its reason. Nothing in the process is unpickled (the unpicklers and torch.load are counted)."""
     marker = tmp_path / "pwned"
-    r = subprocess.run(
-        [sys.executable, "-c", _BAD_INPUT_SCRIPT, str(marker)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error"},
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = _script_output([sys.executable, "-c", _BAD_INPUT_SCRIPT, str(marker)])
     reasons = ["its tag is wrong", "carries no tag", "header gives a payload of"]
     for i in ("0", "1"):
         rows = out["rounds"][i]
