@@ -175,7 +175,7 @@ class LocalHub:
         return self._collect(t, r, buf, self._sum)
 
     def allgather(self, t: LocalTransport, r: _Round, record: np.ndarray) -> list[np.ndarray]:
-        """Every member's ``record``, in the members' order (as :meth:`allreduce`, without the sum)."""
+        """Every member's ``record``, in the members' order (as ``allreduce``, without the sum)."""
         return self._collect(t, r, record, lambda r: [r.contributions[k].copy() for k in r.members])
 
     def _collect(self, t: LocalTransport, r: _Round, buf: np.ndarray, result: Callable[[_Round], Any]) -> Any:
