@@ -122,6 +122,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "H / F - 1 of them)",
     )
     p.add_argument(
+        "--aggregate",
+        choices=("mean", "low_bit", "sparseloco", "muloco"),
+        default="mean",
+        help="what each island sends: the float32 mean (one all-reduce), or encoded and gathered: "
+        "low_bit() at 4 bits, sparseloco's chunked top-k (its defaults), or MuLoCo's "
+        "statistical_quantize(2) with its re-quantized mean",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        default=None,
+        help="the islands' shared secret (at least 16 bytes, the same file on every island): every "
+        "contribution and healing state carries its HMAC-SHA256 tag, and those without it are dropped",
+    )
+    p.add_argument(
         "--rule",
         choices=("mean", "tokens"),
         default="mean",
@@ -278,6 +293,13 @@ def build(args: argparse.Namespace) -> Setup:
         return {"x": x_train[idx], "y": y_train[idx]}
 
     val = jax.jit(lambda p: loss_fn(p, {"x": x_val, "y": y_val}))
+    aggregates = {
+        "mean": lambda: None,
+        "low_bit": lambda: jd.low_bit(),
+        "sparseloco": lambda: jd.chunked_top_k(64, chunk=64, bits=2, error_decay=0.95),
+        "muloco": lambda: jd.statistical_quantize(2),
+    }
+    aggregate = aggregates[args.aggregate]()
     tx = jd.diloco(
         optax.adamw(args.lr),
         outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
@@ -285,6 +307,7 @@ def build(args: argparse.Namespace) -> Setup:
         num_fragments=args.num_fragments,
         sync_delay=args.sync_delay,
         eager=args.eager,
+        **({} if aggregate is None else {"aggregate": aggregate}),
     )
     # addressable_data(0): this process's copy of the loss (replicated over an island's devices)
     return Setup(loss_fn, params, tx, batch_for, lambda p: float(np.asarray(val(p).addressable_data(0))))
@@ -315,6 +338,14 @@ class DyingTransport:
         return getattr(self.inner, name)
 
     def allreduce(self, buf: Any) -> Any:
+        self._fault()
+        return self.inner.allreduce(buf)
+
+    def allgather(self, record: Any) -> Any:
+        self._fault()
+        return self.inner.allgather(record)
+
+    def _fault(self) -> None:
         r = self.inner.rounds_committed()
         self.first = r if self.first is None else self.first
         if r == self.round or (self.after is not None and r >= self.first + self.after):
@@ -326,7 +357,6 @@ class DyingTransport:
             wake = f"sleep {self.stop_seconds}; kill -CONT {os.getpid()}"
             subprocess.Popen(["sh", "-c", wake], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
-        return self.inner.allreduce(buf)
 
 
 class TimedStep:
@@ -445,6 +475,7 @@ def run_island(args: argparse.Namespace) -> int:
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
+    sent_before = [0]  # the transport's count at the previous round's record (it counts from the start)
     logging_seconds = [0.0]  # --timings: time spent here (the example's own per-round evaluation and log)
 
     def on_sync(rec: Any, params: Any, opt_state: Any) -> None:
@@ -468,10 +499,13 @@ def run_island(args: argparse.Namespace) -> int:
             exchange_seconds=round(rec.exchange_seconds, 4),
             vote_seconds=round(rec.vote_seconds, 4),
             backoff_seconds=round(rec.backoff_seconds, 4),
+            sent_bytes=int(rec.sent_bytes) - sent_before[0],
+            rejected=[{"island": r[0], "reason": r[1]} for r in rec.rejected],
             anchor_sha256=rec.anchor_sha256,
             agreed_sha256=rec.agreed_sha256,
             val_loss=setup.val_loss(anchor),
         )
+        sent_before[0] = int(rec.sent_bytes)
         logging_seconds[0] += time.perf_counter() - started
 
     if jax.process_count() > 1 and args.fsdp:  # the matrices split over the island's devices
@@ -492,6 +526,7 @@ def run_island(args: argparse.Namespace) -> int:
         quorum_timeout=args.quorum_timeout,
         quorum_retries=args.quorum_retries,
         host=args.host,
+        secret=None if args.secret_file is None else islands.read_secret(args.secret_file),
     )
     faults = (args.die_in_exchange_at, args.die_in_exchange_after, args.stop_in_exchange_after)
     if any(f is not None for f in faults):

@@ -24,7 +24,15 @@ from jaxopt_dist._src.islands.merge import (
     unpack,
     weighted_mean,
 )
-from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandRefused, IslandsError, Transport
+from jaxopt_dist._src.islands.transport import (
+    ExchangeError,
+    Healed,
+    HealRefused,
+    IslandRefused,
+    IslandsError,
+    Transport,
+)
+from jaxopt_dist._src.islands.wire import read_secret
 
 
 def torchft_transport(lighthouse: str, **options: Any) -> Transport:
@@ -48,7 +56,11 @@ def torchft_transport(lighthouse: str, **options: Any) -> Transport:
         ``quorum_retries`` (times a failed quorum request is retried, e.g.
         while the lighthouse restarts; default 0), ``requery`` (seconds
         between renewals of a waiting quorum request, below the lighthouse's
-        join timeout; default 0.5).
+        join timeout; default 0.5), ``secret`` (the islands' shared secret,
+        bytes of at least 16, e.g. :func:`read_secret`: every contribution
+        and healing response carries its HMAC-SHA256 tag, those without it
+        are dropped or refused, and the float32 mean goes over the gather
+        path; default None).
 
     Returns:
       A :class:`Transport` for one :class:`Island`.
@@ -142,9 +154,9 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     Communication:
       Nothing inside the step. Per round: the ``aggregate`` on the island's
       own devices, then one float32 all-reduce over the transport of the
-      fragment's elements plus ``1 + 15 * num_slots`` floats (the weight,
+      fragment's elements plus ``1 + 16 * num_slots`` floats (the weight,
       then per slot its presence, weight, round, anchor tag, heal flag, join
-      round, nonce and 8 settings), and a one-float all-reduce for the commit
+      round, nonce, fragment and 8 settings), and a one-float all-reduce for the commit
       vote;
       a healing island receives a whole copy of the parameters and optimizer
       state.
@@ -154,6 +166,7 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
 
 __all__ = (
     "ExchangeError",
+    "HealRefused",
     "Healed",
     "Island",
     "IslandKilled",
@@ -170,6 +183,7 @@ __all__ = (
     "island_share",
     "island_weight",
     "pack",
+    "read_secret",
     "start_lighthouse",
     "torchft_transport",
     "unpack",

@@ -190,6 +190,8 @@ VARIANTS = {
     # low_bit's blocks are cut over each island's whole vector, and per worker chunk in process:
     # the same blocks when block_size divides the chunk (56 entries on 3 workers: chunks of 24).
     "low_bit": dict(aggregate="low_bit"),
+    # Encoded on the wire (gathered, decoded and combined in island order).
+    "sparseloco": dict(aggregate="chunked_top_k"),
     # Per-island anchors: each takes its own fresh pseudo-gradient with its share of the last round.
     "eager": dict(eager=True),
     "eager_streaming": dict(eager=True, num_fragments=2),
@@ -202,6 +204,7 @@ def _maker(opts):
         "statistical_quantize": lambda: jd.statistical_quantize(2, requantize_mean=False),
         "statistical_quantize_requantized": lambda: jd.statistical_quantize(2),
         "low_bit": lambda: jd.low_bit(3, 0, block_size=8),
+        "chunked_top_k": lambda: jd.chunked_top_k(4, chunk=4, bits=2),
     }
     if "aggregate" in opts:
         make = aggregates[opts["aggregate"]]
@@ -868,7 +871,7 @@ def test_a_healing_state_crosses_http_raw_without_pickle():
         np.testing.assert_array_equal(got["more"][0], state["more"][0])
         with pytest.raises(islands.ExchangeError, match="404"):  # another step than the one staged
             heal_http.fetch(server.url + "6", deadline=time.monotonic() + 10)
-        with pytest.raises(islands.ExchangeError, match="expects at most 10"):
+        with pytest.raises(islands.ExchangeError, match="at most 10 are expected"):
             heal_http.fetch(server.url + "7", deadline=time.monotonic() + 10, limit=10)
         with pytest.raises(islands.ExchangeError, match="no time was left"):
             heal_http.fetch(server.url + "7", deadline=time.monotonic() - 1)
@@ -883,7 +886,35 @@ def test_a_healing_state_crosses_http_raw_without_pickle():
 
 
 def test_the_documented_buffer_size_is_the_packed_one():
-    """islands.island's docstring gives the floats a round adds to the fragment: 1 + 15 * num_slots."""
-    assert "``1 + 15 * num_slots`` floats" in islands.island.__doc__
+    """islands.island's docstring gives the floats a round adds to the fragment: 1 + 16 * num_slots."""
+    assert "``1 + 16 * num_slots`` floats" in islands.island.__doc__
     for n in (4, 64):
-        assert islands.pack([np.ones(3)], 1.0, slot=0, num_slots=n).size == 3 + 1 + 15 * n
+        assert islands.pack([np.ones(3)], 1.0, slot=0, num_slots=n).size == 3 + 1 + 16 * n
+
+
+@pytest.mark.parametrize("variant", ["mean_wrong_secret", "sparseloco_no_secret"])
+def test_a_secret_drops_an_untagged_island_and_the_others_keep_their_rounds(variant):
+    """Under a shared secret the mean goes over the gather path too: an island with another secret (or,
+    where the aggregate is encoded anyway, none) takes part in the quorum, but its contributions are
+    dropped (named in every record's ``rejected``) and the others' rounds are the in-process run of the
+    others alone, losing none."""
+    make_tx = _maker({} if variant.startswith("mean") else {"aggregate": "chunked_top_k"})
+    steps = 2 * H + 1
+    ref = _reference(make_tx, steps, n=2)
+    hub, out = islands.LocalHub(min_islands=N, join_timeout=10.0), {}
+    secret = b"islands-shared-secret"
+    other = b"another-secret-entirely" if variant.startswith("mean") else None
+    transports = [hub.transport(secret=secret), hub.transport(secret=secret), hub.transport(secret=other)]
+    _run_threads(
+        [(_island_thread, (i, make_tx, transports[i], steps, out), {"round_timeout": 90}) for i in range(N)]
+    )
+    why = "tag is wrong" if other else "carries no tag"
+    for i in (0, 1):
+        assert len(out[i]) == 2
+        for rec, anchor in out[i]:
+            # An island without the secret merges the others' contributions with its own, so its anchor
+            # leaves the majority's: its vote to heal costs one attempt, not the round.
+            assert rec.participants == (0, 1) and rec.redone <= (0 if other else 1)
+            assert {r[0] for r in rec.rejected} == {2} and why in rec.rejected[0][1]
+            _assert_close_to(anchor, ref[rec.step - 1])
+    assert [r.anchor_sha256 for r, _ in out[0]] == [r.anchor_sha256 for r, _ in out[1]]

@@ -386,6 +386,51 @@ def two_stage_of(tx: Any) -> TwoStage | None:
     return registered(_TWO_STAGE, tx)
 
 
+class Wire(NamedTuple):
+    """An aggregate's message, built and read without communication, for merges that gather it elsewhere.
+
+    Islands (:mod:`jaxopt_dist.islands`) send each island's message over their
+    own link and decode and combine the messages of every island themselves:
+
+    * ``encode(updates, state) -> message``: the list of arrays this worker's
+      ``update(updates, state)`` sends (the same codes, indices and scales),
+      computed without a collective; ``state`` is the aggregate's state before
+      the update.
+    * ``decode(message, like, state) -> (values, support)``: what a worker's
+      message stands for, as leaves like ``like`` (a list of leaves):
+      ``values``, what the aggregate's mean averages; ``support``, None, or
+      (for ``merge="chosen_mean"``) leaves of 0 and 1 marking the entries the
+      message carries. ``state`` is this worker's aggregate state before the
+      update; only its fields that are the same on every worker (keys,
+      counts) may be read.
+    * ``merge``: how the aggregate combines the workers' values:
+      ``"mean"`` (every entry over every worker) or ``"chosen_mean"`` (each
+      entry over the workers whose support holds it, 0 where none does);
+      another word names a merge the islands do not make (they refuse it).
+
+    For every message, ``decode(encode(x, s), x, s)[0]`` is the aggregate's
+    update on one worker, ``update(x, s)`` with a workers' axis of size 1.
+    """
+
+    encode: Any
+    decode: Any
+    merge: str = "mean"
+
+
+_WIRE: weakref.WeakKeyDictionary[Any, Wire] = weakref.WeakKeyDictionary()
+
+
+def declare_wire(tx: Any, wire: Wire) -> Any:
+    """Records the :class:`Wire` of ``tx`` (an aggregate); returns ``tx``."""
+    _WIRE[tx.update] = wire
+    return tx
+
+
+def wire_of(tx: Any) -> Wire | None:
+    """The :class:`Wire` declared for ``tx``, or None (its messages are not encoded apart from its update)."""
+    return registered(_WIRE, tx)
+
+
 _SHARE: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 

@@ -271,6 +271,9 @@ class OuterExchange:
         before the step), without communication; None when it has none.
       eager: whether the diloco is ``eager`` (per-worker anchors; in the
         ``external`` state the runner writes each fragment's ``shares``).
+      wire: the :class:`jaxopt_dist._src.base.Wire` of ``run_first``'s
+        aggregate (its message encoded and decoded without communication),
+        or None: for a runner that sends each worker's message itself.
     """
 
     sync_every: int
@@ -284,6 +287,7 @@ class OuterExchange:
     run_first: Callable[..., tuple[list[Any], Any]] | None = None
     finish: Callable[..., list[Any]] | None = None
     eager: bool = False
+    wire: base.Wire | None = None
 
     def launches_after(self, step: int) -> list[int]:
         """The fragments whose exchange can start once inner step ``step`` (0-based) is done."""
@@ -731,6 +735,7 @@ def diloco(
             run_first=exchange if stages is None else exchange_with(stages.first),
             finish=finish,
             eager=eager,
+            wire=base.wire_of(aggregate if stages is None else stages.first),
         )
 
     tx = DiLoCoTransformation(make_init(overlap), make_update(overlap, fallback=True))

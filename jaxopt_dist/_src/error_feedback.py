@@ -209,12 +209,7 @@ def error_feedback(
                 caller=compressor.name,
                 cast=False,
             )
-        if enabled:
-            corrected = jax.tree.map(
-                lambda g, e: (g + e.astype(g.dtype)).astype(g.dtype), updates, state.residual
-            )
-        else:
-            corrected = updates
+        corrected = _corrected(updates, state.residual) if enabled else updates
         # `contribution` is the residual itself where the compressor returns that.
         output, contribution, inner_state = compressor.compress(
             corrected, state.inner_state, params, **extra_args
@@ -237,7 +232,29 @@ def error_feedback(
 
     tx = comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), "the compressor")
     _WRAPPED[tx.update] = compressor
+    if compressor.codec is not None:
+        base.declare_wire(tx, codec_wire(compressor.codec, enabled=enabled))
     return tx
+
+
+def _corrected(updates: optax.Updates, residual: optax.Updates) -> optax.Updates:
+    """``updates`` plus the residual, in the updates' dtypes."""
+    return jax.tree.map(lambda g, e: (g + e.astype(g.dtype)).astype(g.dtype), updates, residual)
+
+
+def codec_wire(codec: Codec, *, enabled: bool = True) -> base.Wire:
+    """The :class:`jaxopt_dist._src.base.Wire` of an :func:`error_feedback` transform whose compressor's
+    message is ``codec``'s: the message of the residual-corrected updates (``enabled``: a residual is kept),
+    and its decoding. Both take the transform's :class:`ErrorFeedbackState`."""
+
+    def encode(updates, state):
+        corrected = _corrected(updates, state.residual) if enabled else updates
+        return list(codec.encode(corrected, state.inner_state)[0])
+
+    def decode(message, like, state):
+        return jax.tree.leaves(codec.decode(list(message), like, state.inner_state)), None
+
+    return base.Wire(encode, decode)
 
 
 def residual(state: ErrorFeedbackState) -> optax.Updates:

@@ -208,6 +208,7 @@ def low_bit(
     base.check_bool(error_feedback, "error_feedback")
     grid = float_grid(e_bits, m_bits)
     tx = ef.error_feedback(_low_bit_compressor(grid, bits, block_size, axis_name), enabled=error_feedback)
+    base.declare_wire(tx, ef.codec_wire(_one_worker_codec(grid, bits, block_size), enabled=error_feedback))
     # For a mean taken elsewhere (islands): on one worker the second stage re-quantizes the worker's
     # own decoded message, which gives it back unchanged (each block's largest magnitude is its
     # scale), so the first stage is the transform itself; the second re-quantizes the mean in one
@@ -215,6 +216,35 @@ def low_bit(
     return base.declare_two_stage(
         tx, tx, lambda leaves, state: _requantize_whole(leaves, grid, bits, block_size)
     )
+
+
+def _one_worker_codec(grid: np.ndarray, bits: int, block_size: int) -> ef.Codec:
+    """The message of one worker alone (its vector as one chunk): packed codes, then block scales.
+
+    What a worker sends where the mean is taken elsewhere (islands): decoded, it is the
+    transform's output on a workers' axis of size 1.
+    """
+
+    def encode(updates, state):
+        leaves, treedef = jax.tree.flatten(updates)
+        if not leaves:
+            return [], updates, state
+        x, total, chunk, blocks = _chunks(leaves, 1, block_size)
+        message = _encode(x, grid, bits, block_size, blocks)
+        sent = _decode(message, grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
+        return [message[0]], base.split_flat(sent, leaves, treedef), state
+
+    def decode(message, like, state):
+        del state
+        leaves, treedef = jax.tree.flatten(like)
+        if not leaves:
+            return like
+        total = sum(base.leaf_sizes(leaves))
+        chunk, blocks = _layout(total, 1, block_size)
+        out = _decode(message[0][None], grid, bits, chunk, block_size, blocks).reshape(-1)[:total]
+        return base.split_flat(out, leaves, treedef)
+
+    return ef.Codec(encode, decode)
 
 
 def _requantize_whole(

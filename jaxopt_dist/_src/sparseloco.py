@@ -406,9 +406,43 @@ def statistical_quantize(
         out = _requantized_leaves(leaves, flags, bits, spread, row_wise)
         return [x.astype(g.dtype) for x, g in zip(out, leaves)]
 
+    def wire_encode(updates, state):
+        """The message ``update_fn`` all-gathers (and the dense leaves it averages), without a collective."""
+        leaves, treedef = jax.tree.flatten(updates)
+        errors = treedef.flatten_up_to(state.error)
+        flags = [f and math.prod(g.shape) > 0 for f, g in zip(_mask_flags(mask, updates, name), leaves)]
+        beta = base.resolve(error_decay, state.count)
+        quantized = [i for i, keep in enumerate(flags) if keep]
+        groups = base.LeafGroups([errors[i] for i in quantized])
+        stacks = zip(
+            groups.stack([errors[i] for i in quantized]), groups.stack([leaves[i] for i in quantized])
+        )
+        spread = base.resolve(quantization_range, state.count)
+        payload, _ = _quantized_rows([_decayed(beta, e, g) for e, g in stacks], bits, spread, row_wise)
+        return payload + [g for g, keep in zip(leaves, flags) if not keep]
+
+    def wire_decode(message, like, state):
+        """One worker's message as ``update_fn`` reads it on a workers' axis of size 1."""
+        del state
+        leaves = list(like)
+        flags = [f and math.prod(g.shape) > 0 for f, g in zip(_mask_flags(mask, leaves, name), leaves)]
+        quantized = [i for i, keep in enumerate(flags) if keep]
+        errors = [
+            jax.ShapeDtypeStruct(leaves[i].shape, base.accumulation_dtype(leaves[i].dtype)) for i in quantized
+        ]
+        groups = base.LeafGroups(errors)
+        stacks: list[Any] = [
+            jax.ShapeDtypeStruct((len(ids), *errors[ids[0]].shape), errors[ids[0]].dtype)
+            for ids in groups.groups
+        ]
+        payload, dense = [m[None] for m in message[: 2 * len(stacks)]], iter(message[2 * len(stacks) :])
+        means = iter(groups.unstack(_mean_of_rows(payload, stacks, 1, bits, row_wise)))
+        out = [next(means) if keep else next(dense) for keep in flags]
+        return [x.astype(g.dtype) for x, g in zip(out, leaves)], None
+
     tx = comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), name)
     if not requantize_mean:
-        return tx
+        return base.declare_wire(tx, base.Wire(wire_encode, wire_decode))
     first = statistical_quantize(
         bits,
         row_wise=row_wise,
@@ -553,6 +587,18 @@ def _chosen_mean(idx: jax.Array, values: jax.Array, lay: _Tiling) -> jax.Array:
 
     total, chosen = jax.lax.fori_loop(0, n, add, (dense, jnp.zeros(dense.shape, jnp.int32)))
     return jnp.where(chosen > 0, total / jnp.maximum(chosen, 1).astype(total.dtype), jnp.zeros_like(total))
+
+
+def _chosen_entries(packed: jax.Array | None, e: Any, lay: _Tiling) -> jax.Array:
+    """``(tiles, b1 b2)`` of a stack of leaves like ``e``: 1 at the entries one worker's packed indices
+    ``(1, L, bytes)`` choose (every entry of tiles of one), 0 elsewhere."""
+    shape = (1, e.shape[0] * lay.tiles, lay.k)
+    idx = (
+        jnp.zeros(shape, jnp.int32)
+        if packed is None
+        else _unpack_rows(packed, lay.tiles * lay.k, lay.index_bits)
+    )
+    return _chosen_mean(idx.reshape(shape), jnp.ones(shape, e.dtype), lay)
 
 
 def _median_clip(values: jax.Array) -> jax.Array:
@@ -771,7 +817,57 @@ def chunked_top_k(
             error=jax.tree.unflatten(treedef, new_errors),
         )
 
-    return comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), name)
+    def stacked(leaves, errors):
+        """``update_fn``'s leaves sent, their groups and each group's tiling."""
+        sent = [i for i, g in enumerate(leaves) if math.prod(g.shape)]
+        groups = base.LeafGroups(sent, key=lambda i: (leaves[i].shape, leaves[i].dtype, errors[i].dtype))
+        return (
+            sent,
+            groups,
+            [_tiling(tuple(leaves[sent[ids[0]]].shape), chunk, topk) for ids in groups.groups],
+        )
+
+    def wire_encode(updates, state):
+        """The message ``update_fn`` all-gathers, without the all-gather."""
+        leaves, treedef = jax.tree.flatten(updates)
+        errors = treedef.flatten_up_to(state.error)
+        beta = base.resolve(error_decay, state.count)
+        spread = base.resolve(quantization_range, state.count)
+        sent, groups, lays = stacked(leaves, errors)
+        stacks = groups.stack([_decayed(beta, errors[i], leaves[i]) for i in sent])
+        message = []
+        for e, lay, ids in zip(stacks, lays, groups.groups):
+            message += select(e, leaves[sent[ids[0]]].dtype, lay, spread)[1]
+        return message
+
+    def wire_decode(message, like, state):
+        """One worker's message: its values as ``update_fn`` reads them on a workers' axis of size 1,
+        and 1 at the entries it chose (0 elsewhere)."""
+        del state
+        leaves = list(like)
+        errors = [jax.ShapeDtypeStruct(x.shape, base.accumulation_dtype(x.dtype)) for x in leaves]
+        sent, groups, lays = stacked(leaves, errors)
+        received, values, chosen = iter(message), [], []
+        for lay, ids in zip(lays, groups.groups):
+            first = sent[ids[0]]
+            e = jax.ShapeDtypeStruct((len(ids), *leaves[first].shape), errors[first].dtype)
+            part = [
+                jnp.asarray(next(received))[None]
+                for _ in range(int(lay.index_bits > 0) + (1 if bits is None else 2))
+            ]
+            values.append(receive(iter(part), e, lay, 1))
+            chosen.append(
+                _from_tiles(_chosen_entries(part[0] if lay.index_bits else None, e, lay), lay, e.shape)
+            )
+        out = [jnp.zeros(x.shape, x.dtype) for x in leaves]
+        support = [jnp.zeros(x.shape, x.dtype) for x in leaves]
+        for i, v, c in zip(sent, groups.unstack(values), groups.unstack(chosen)):
+            out[i], support[i] = v.astype(leaves[i].dtype), c.astype(leaves[i].dtype)
+        return out, support
+
+    tx = comm.float_updates(optax.GradientTransformationExtraArgs(init_fn, update_fn), name)
+    merge = "median_clipped_chosen_mean" if clip_to_median_norm else "chosen_mean"
+    return base.declare_wire(tx, base.Wire(wire_encode, wire_decode, merge))
 
 
 # ----------------------------------------------------------------------------

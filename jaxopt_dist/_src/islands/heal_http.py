@@ -1,23 +1,36 @@
-"""Healing over HTTP, without pickle: a server that streams a state's arrays raw, and a client with a deadline.
+"""Healing that runs nothing from the network: a tensor-only stream over HTTP, checked on arrival.
 
-torchft's checkpoint transport plays this part for torch (its ``HTTPTransport``
-pickles what it sends, serves on every interface and advertises the host's
-name). Here a healing state (nested dicts and lists of arrays and plain
-numbers or strings) crosses as::
+torchft's checkpoint transport plays this part for torch: its ``HTTPTransport``
+pickles the state it sends and unpickles what it receives (``weights_only=False``:
+a healing source can run code in the island it heals), serves on every interface
+and advertises the host's name. Here a healing state (nested dicts and lists of
+arrays and plain numbers, strings or None) crosses as::
 
-    MAGIC | header length (8 bytes, little-endian) | JSON header | each array's raw bytes
+    MAGIC | header length (8 bytes, little-endian) | JSON header | tag (32 bytes) | each array's raw bytes
 
-The header gives the tree's shape with each array's dtype and shape, and the
-receiver allocates each array from it and reads its bytes into it: nothing
-received is ever unpickled or evaluated. :class:`HealServer` listens on one
-address (the island's) and serves one staged state, under the step it was
-staged for; :func:`fetch` reads one within a deadline (the heal's own
-timeout, not the exchange's), checking the total size against a limit
-before allocating anything.
+The header names the source island and the step, gives the tree's shape and, for
+each array in order, its path in the tree, dtype, shape, byte length and SHA-256.
+The tag is HMAC-SHA256 under the islands' shared secret over the header (and so
+over every array's digest); 32 zero bytes without a secret. A receiver checks, in
+this order, and refuses the state at the first failure (:class:`HealRefused`,
+naming the source and the reason), before any of it is used: the magic, the
+header's size, the tag (when it holds a secret), the header's form, the arrays
+against its own (:class:`Expected`: paths, dtypes and shapes), each array's
+digest as its bytes arrive (read in chunks into arrays allocated from the
+header), then :attr:`Expected.verify` (an island: its anchor's digest against the
+one its source's round agreed on). Nothing received is ever unpickled or
+evaluated, on either side.
+
+:class:`HealServer` listens on one address (the island's) and serves one staged
+state, under the step it was staged for, streamed in chunks; :func:`fetch` reads
+one within a deadline (the heal's own timeout, not the exchange's).
+:func:`stage` and :func:`read` are the format alone (an in-process transport
+uses them without HTTP).
 """
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import http.server
 import json
@@ -26,33 +39,87 @@ import struct
 import threading
 import time
 import urllib.parse
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxopt_dist._src.islands.transport import ExchangeError
+from jaxopt_dist._src.islands.transport import ExchangeError, HealRefused
+from jaxopt_dist._src.islands.wire import tag, tag_problem
 
-MAGIC = b"JDHEAL1\n"
+MAGIC = b"JDHEAL2\n"
+FORMAT = "jaxopt_dist heal 2"
+TAG_BYTES = 32
 MAX_HEADER = 64 * 2**20
 CHUNK = 2**20
 
 
-def encode(tree: Any) -> tuple[bytes, list[np.ndarray]]:
-    """``tree`` as a JSON header and the arrays whose raw bytes follow it."""
+class Expected(NamedTuple):
+    """What a healing island accepts: its own arrays, in order, and a last check of the whole.
+
+    Attributes:
+      arrays: ``(path, dtype name, shape)`` of every array of the island's
+        part of the state, in the order they are served.
+      prefix: the path of the island's part in the served tree (``"user/default/"``
+        under torchft's ``Manager``, which wraps it); no array lies elsewhere.
+      verify: called with the island's part once every array has arrived and
+        matched its digest; raises ``ValueError`` saying why it refuses it.
+    """
+
+    arrays: list[tuple[str, str, tuple[int, ...]]]
+    prefix: str = ""
+    verify: Callable[[Any], None] | None = None
+
+
+class Staged(NamedTuple):
+    """A state encoded to be served: its step, header, tag and arrays."""
+
+    step: int
+    header: bytes
+    tag: bytes
+    arrays: list[np.ndarray]
+
+    def chunks(self) -> Iterator[bytes | memoryview]:
+        """The stream: the magic, the header's length, the header, the tag, then each array in chunks."""
+        yield MAGIC + struct.pack("<Q", len(self.header)) + self.header + self.tag
+        for a in self.arrays:
+            view = _bytes(a)
+            for start in range(0, len(view), CHUNK):
+                yield view[start : start + CHUNK]
+
+    @property
+    def size(self) -> int:
+        return len(MAGIC) + 8 + len(self.header) + TAG_BYTES + sum(a.nbytes for a in self.arrays)
+
+
+def stage(tree: Any, *, step: int, source: int | None = None, secret: bytes | None = None) -> Staged:
+    """``tree`` as the stream a healing server sends: its header (with every array's SHA-256) and tag."""
     arrays: list[np.ndarray] = []
-    skeleton = _skeleton(tree, arrays)
-    specs = [[a.dtype.name, list(a.shape)] for a in arrays]
-    header = json.dumps({"tree": skeleton, "arrays": specs}).encode()
-    return header, arrays
+    paths: list[str] = []
+    skeleton = _skeleton(tree, arrays, paths, "")
+    specs = [
+        {
+            "path": p,
+            "dtype": a.dtype.name,
+            "shape": list(a.shape),
+            "bytes": int(a.nbytes),
+            "sha256": hashlib.sha256(_bytes(a)).hexdigest(),
+        }
+        for p, a in zip(paths, arrays)
+    ]
+    header = json.dumps(
+        {"format": FORMAT, "source": source, "step": int(step), "tree": skeleton, "arrays": specs}
+    ).encode()
+    return Staged(int(step), header, tag(secret, b"heal", header), arrays)
 
 
-def _skeleton(x: Any, arrays: list[np.ndarray]) -> Any:
+def _skeleton(x: Any, arrays: list[np.ndarray], paths: list[str], path: str) -> Any:
     if isinstance(x, dict):
         if not all(isinstance(k, str) for k in x):
             raise TypeError("a healing state's dict keys must be strings")
-        return {"d": {k: _skeleton(v, arrays) for k, v in x.items()}}
+        return {"d": {k: _skeleton(v, arrays, paths, f"{path}{k}/") for k, v in x.items()}}
     if isinstance(x, (list, tuple)):
-        return {"l": [_skeleton(v, arrays) for v in x]}
+        return {"l": [_skeleton(v, arrays, paths, f"{path}{i}/") for i, v in enumerate(x)]}
     if x is None or (isinstance(x, (bool, int, float, str)) and not isinstance(x, np.generic)):
         return {"v": x}
     a = np.asarray(x)
@@ -61,20 +128,23 @@ def _skeleton(x: Any, arrays: list[np.ndarray]) -> Any:
     if a.dtype.hasobject:
         raise TypeError(f"a healing state holds arrays of numbers only; got dtype {a.dtype}")
     arrays.append(a)
+    paths.append(path.rstrip("/"))
     return {"a": len(arrays) - 1}
 
 
 def _rebuild(skeleton: Any, arrays: list[np.ndarray]) -> Any:
     ((kind, body),) = skeleton.items()
     if kind == "d":
-        return {k: _rebuild(v, arrays) for k, v in body.items()}
+        return {str(k): _rebuild(v, arrays) for k, v in body.items()}
     if kind == "l":
         return [_rebuild(v, arrays) for v in body]
     if kind == "a":
         return arrays[int(body)]
     if kind == "v":
+        if body is not None and not isinstance(body, (bool, int, float, str)):
+            raise ValueError(f"a plain value may not be {type(body).__name__}")
         return body
-    raise ExchangeError(f"a healing state's header holds an unknown node {kind!r}")
+    raise ValueError(f"unknown node {kind!r}")
 
 
 def _dtype(name: str) -> np.dtype:
@@ -82,23 +152,169 @@ def _dtype(name: str) -> np.dtype:
 
     dtype = np.dtype(jnp.dtype(name))
     if dtype.hasobject:
-        raise ExchangeError(f"a healing state may not hold arrays of {name}")
+        raise ValueError(f"arrays of {name}")
     return dtype
 
 
+def _bytes(a: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, writable where the array is (any dtype, bfloat16 included)."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+class _Stream(NamedTuple):
+    """Where a state's bytes come from: ``readinto(view) -> n`` (0 at the end), within ``deadline``."""
+
+    readinto: Callable[[memoryview], int]
+    deadline: float | None = None
+    before_read: Callable[[float], None] | None = None  # (seconds left): e.g. a socket's timeout
+
+
+def read(
+    stream: Any,
+    *,
+    where: str,
+    secret: bytes | None = None,
+    expect: Expected | None = None,
+    limit: int | None = None,
+    deadline: float | None = None,
+) -> Any:
+    """A healing state from ``stream`` (anything with ``readinto``), checked (see the module).
+
+    Raises :class:`HealRefused` (its message names ``where`` and the reason) at the first check that fails.
+    """
+    return _read(_Stream(stream.readinto, deadline), where, secret, expect, limit)
+
+
+def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | None, limit: int | None) -> Any:
+    def refuse(reason: str) -> HealRefused:
+        return HealRefused(f"the healing state from {where} is refused: {reason}")
+
+    def take(n: int, what: str) -> bytes:
+        buf = bytearray(n)
+        got = _fill(memoryview(buf), src)
+        if got < n:
+            raise refuse(f"the stream ended after {got} of the {n} bytes of {what}")
+        return bytes(buf)
+
+    magic = take(len(MAGIC), "its first bytes")
+    if magic != MAGIC:
+        kind = " (a pickle)" if magic[:1] == b"\x80" else ""
+        raise refuse(f"it is not a healing state: it starts with {magic!r}{kind}, not {MAGIC!r}")
+    (n_header,) = struct.unpack("<Q", take(8, "the header's length"))
+    if n_header > MAX_HEADER:
+        raise refuse(f"its header would be {n_header} bytes (at most {MAX_HEADER})")
+    header_bytes = take(n_header, "the header")
+    problem = tag_problem(secret, take(TAG_BYTES, "the tag"), tag(secret, b"heal", header_bytes))
+    if problem is not None:
+        raise refuse(problem)
+    try:
+        header = json.loads(header_bytes)
+        if header.get("format") != FORMAT:
+            raise ValueError(f"format {header.get('format')!r}, not {FORMAT!r}")
+        specs = [_spec(s) for s in header["arrays"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise refuse(f"its header is malformed: {e}") from e
+    source = header.get("source")
+    if source is not None:
+        where = f"{where} (island {source})"
+    if expect is not None:
+        mismatch = _mismatch([(p, d.name, s) for p, d, s, _ in specs], expect)
+        if mismatch:
+            raise refuse(mismatch)
+    total = sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for _, d, s, _ in specs)
+    if limit is not None and total > limit:
+        raise refuse(f"it offers {total} bytes of arrays; at most {limit} are expected")
+    arrays = []
+    for path, dtype, shape, digest in specs:
+        a = np.empty(shape, dtype)
+        h = hashlib.sha256()
+        got = _fill(_bytes(a), src, h)
+        if got < a.nbytes:
+            raise refuse(f"the stream ended after {got} of the {a.nbytes} bytes of array {path!r}")
+        if h.hexdigest() != digest:
+            raise refuse(f"array {path!r} does not match its SHA-256 in the header (corrupted on the way)")
+        arrays.append(a)
+    try:
+        tree = _rebuild(header["tree"], arrays)
+        if expect is not None and expect.verify is not None:
+            expect.verify(_part(tree, expect.prefix))
+    except (RecursionError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise refuse(str(e)) from e
+    return tree
+
+
+def _spec(s: Any) -> tuple[str, np.dtype, tuple[int, ...], str]:
+    dtype = _dtype(str(s["dtype"]))
+    shape = tuple(int(n) for n in s["shape"])
+    if any(n < 0 for n in shape) or int(s["bytes"]) != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        raise ValueError(f"array {s['path']!r}: {s['bytes']} bytes for shape {shape} of {dtype.name}")
+    return str(s["path"]), dtype, shape, str(s["sha256"])
+
+
+def _mismatch(got: list[tuple[str, str, tuple[int, ...]]], expect: Expected) -> str | None:
+    """How the served arrays differ from the island's own (``expect``), in words, or None."""
+    want = [(expect.prefix + p, d, tuple(s)) for p, d, s in expect.arrays]
+    if got == want:
+        return None
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            return (
+                f"it does not fit this island's state: array {i} is {g[0]!r} {g[1]}{list(g[2])} there, "
+                f"{w[0]!r} {w[1]}{list(w[2])} here"
+            )
+    return f"it does not fit this island's state: {len(got)} arrays there, {len(want)} here"
+
+
+def _part(tree: Any, prefix: str) -> Any:
+    for key in [k for k in prefix.split("/") if k]:
+        tree = tree[int(key)] if isinstance(tree, list) else tree[key]
+    return tree
+
+
+def _fill(view: memoryview, src: _Stream, h: Any = None) -> int:
+    """Reads into ``view`` in chunks until it is full or the stream ends; the bytes read (and hashed)."""
+    done = 0
+    while done < len(view):
+        if src.deadline is not None:
+            left = src.deadline - time.monotonic()
+            if left <= 0:
+                raise ExchangeError("the heal did not finish within its timeout")
+            if src.before_read is not None:
+                src.before_read(left)
+        n = src.readinto(view[done : done + CHUNK])
+        if not n:
+            break
+        if h is not None:
+            h.update(view[done : done + n])
+        done += n
+    return done
+
+
 class HealServer:
-    """Serves one staged healing state over HTTP on ``host`` (``GET /heal/<step>``).
+    """Serves one staged healing state over HTTP on ``host`` (``GET /heal/<step>``), streamed in chunks.
 
     Args:
       host: the address to listen on (the island's); port 0 picks a free one.
+      source: the serving island's id, written into the header.
+      secret: the islands' shared secret (the header's tag), or None.
       send_timeout: seconds a send to a stalled peer may block before the
-        connection is dropped.
+        connection is dropped, and a request for a step not staged yet waits.
     """
 
-    def __init__(self, host: str, *, port: int = 0, send_timeout: float = 60.0):
+    def __init__(
+        self,
+        host: str,
+        *,
+        port: int = 0,
+        source: int | None = None,
+        secret: bytes | None = None,
+        send_timeout: float = 60.0,
+    ):
+        self.source, self.secret = source, secret
         self._lock = threading.Condition()
         self._wait = send_timeout
-        self._staged: tuple[int, bytes, list[np.ndarray]] | None = None
+        self._staged: Staged | None = None
+        self.sent = 0  # bytes written to peers
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._http = _Server((host, port), _handler(self, send_timeout), family)
         self.host, self.port = host, int(self._http.server_address[1])
@@ -113,20 +329,29 @@ class HealServer:
 
     def stage(self, step: int, tree: Any) -> None:
         """Serves ``tree`` to peers that ask for ``step``, until the next stage."""
-        header, arrays = encode(tree)
+        staged = stage(tree, step=step, source=self.source, secret=self.secret)
         with self._lock:
-            self._staged = (int(step), header, arrays)
+            self._staged = staged
             self._lock.notify_all()
 
-    def staged(self, step: int) -> tuple[bytes, list[np.ndarray]] | None:
+    def staged(self, step: int) -> Staged | None:
         """The state staged for ``step``; a request for a step not staged yet waits (a peer may ask
         before this island's quorum has staged it) up to the send timeout; None for an older step."""
         with self._lock:
-            ready = lambda: self._staged is not None and self._staged[0] >= step  # noqa: E731
+            ready = lambda: self._staged is not None and self._staged.step >= step  # noqa: E731
             self._lock.wait_for(ready, timeout=self._wait)
-            if self._staged is None or self._staged[0] != step:
+            if self._staged is None or self._staged.step != step:
                 return None  # not staged in time, or an older step than the one staged
-            return self._staged[1], self._staged[2]
+            return self._staged
+
+    def response(self, step: int) -> tuple[int, Iterator[bytes | memoryview]] | None:
+        """What a request for ``step`` gets: ``(length, chunks)``, or None (404)."""
+        staged = self.staged(step)
+        return None if staged is None else (staged.size, staged.chunks())
+
+    def count(self, n: int) -> None:
+        with self._lock:
+            self.sent += n
 
     def close(self) -> None:
         self._http.shutdown()
@@ -148,19 +373,18 @@ def _handler(server: HealServer, send_timeout: float) -> Any:
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             parts = self.path.strip("/").split("/")
             step = int(parts[1]) if len(parts) == 2 and parts[0] == "heal" and parts[1].isdigit() else -1
-            staged = server.staged(step) if step >= 0 else None
-            if staged is None:
+            answer = server.response(step) if step >= 0 else None
+            if answer is None:
                 self.send_error(404, f"no healing state for {self.path}")
                 return
-            header, arrays = staged
+            size, chunks = answer
             self.send_response(200)
             self.send_header("Content-Type", "application/octet-stream")
-            size = len(MAGIC) + 8 + len(header) + sum(a.nbytes for a in arrays)
             self.send_header("Content-Length", str(size))
             self.end_headers()
-            self.wfile.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            for a in arrays:
-                self.wfile.write(_bytes(a))
+            for chunk in chunks:
+                self.wfile.write(chunk)
+                server.count(len(chunk))
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
             del format, args
@@ -168,9 +392,17 @@ def _handler(server: HealServer, send_timeout: float) -> Any:
     return Handler
 
 
-def fetch(url: str, *, deadline: float, limit: int | None = None) -> Any:
-    """The healing state at ``url``, read within ``deadline`` (``time.monotonic()``); at most ``limit``
-    bytes of arrays. Raises :class:`ExchangeError` when it cannot (late, refused, malformed)."""
+def fetch(
+    url: str,
+    *,
+    deadline: float,
+    secret: bytes | None = None,
+    expect: Expected | None = None,
+    limit: int | None = None,
+) -> Any:
+    """The healing state at ``url``, read and checked (see the module) within ``deadline``
+    (``time.monotonic()``). Raises :class:`HealRefused` when the state fails a check, and
+    :class:`ExchangeError` when it cannot be read (late, refused, unreachable)."""
     parts = urllib.parse.urlsplit(url)
     left = deadline - time.monotonic()
     if left <= 0:
@@ -181,57 +413,19 @@ def fetch(url: str, *, deadline: float, limit: int | None = None) -> Any:
         resp = conn.getresponse()
         if resp.status != 200:
             raise ExchangeError(f"the healing source answered {resp.status} {resp.reason} for {url}")
-        return _read_state(resp, conn, deadline, limit, url)
+
+        def timeout(seconds: float) -> None:
+            if conn.sock is not None:
+                conn.sock.settimeout(seconds)
+
+        def readinto(view: memoryview) -> int:
+            try:
+                return resp.readinto(view)
+            except http.client.IncompleteRead:  # the source closed the stream early
+                return 0
+
+        return _read(_Stream(readinto, deadline, timeout), url, secret, expect, limit)
     except (OSError, http.client.HTTPException) as e:
         raise ExchangeError(f"healing from {url} failed: {e!r}") from e
     finally:
         conn.close()
-
-
-def _read_state(resp: Any, conn: Any, deadline: float, limit: int | None, url: str) -> Any:
-    def read(n: int) -> bytes:
-        buf = bytearray(n)
-        _read_into(memoryview(buf), resp, conn, deadline, url)
-        return bytes(buf)
-
-    if read(len(MAGIC)) != MAGIC:
-        raise ExchangeError(f"{url} did not send a healing state")
-    (n_header,) = struct.unpack("<Q", read(8))
-    if n_header > MAX_HEADER:
-        raise ExchangeError(f"{url} sent a header of {n_header} bytes (at most {MAX_HEADER})")
-    try:
-        header = json.loads(read(n_header))
-        specs = [(_dtype(str(d)), tuple(int(n) for n in shape)) for d, shape in header["arrays"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ExchangeError(f"{url} sent a malformed header: {e}") from e
-    total = sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape in specs)
-    if limit is not None and total > limit:
-        raise ExchangeError(f"{url} offered {total} bytes of state; this island expects at most {limit}")
-    arrays = []
-    for dtype, shape in specs:
-        a = np.empty(shape, dtype)
-        _read_into(_bytes(a), resp, conn, deadline, url)
-        arrays.append(a)
-    try:
-        return _rebuild(header["tree"], arrays)
-    except (RecursionError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ExchangeError(f"{url} sent a malformed header: {e!r}") from e
-
-
-def _bytes(a: np.ndarray) -> memoryview:
-    """A C-contiguous array's bytes, writable where the array is (any dtype, bfloat16 included)."""
-    return memoryview(a.reshape(-1).view(np.uint8))
-
-
-def _read_into(view: memoryview, resp: Any, conn: Any, deadline: float, url: str) -> None:
-    done = 0
-    while done < len(view):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ExchangeError(f"the heal from {url} did not finish within its timeout")
-        if conn.sock is not None:
-            conn.sock.settimeout(left)
-        n = resp.readinto(view[done : done + CHUNK])
-        if not n:
-            raise ExchangeError(f"{url} closed the connection before the state was complete")
-        done += n

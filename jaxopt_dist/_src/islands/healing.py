@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxopt_dist._src.islands import broadcast
 from jaxopt_dist._src.islands.protocol import Settings
-from jaxopt_dist._src.islands.transport import IslandRefused, IslandsError
+from jaxopt_dist._src.islands.transport import HealRefused, IslandRefused
 
 
 class Healing:
@@ -102,8 +102,8 @@ def _host_like(template: Any, leaves: Any) -> Any:
         or any(np.shape(a) != t.shape for a, t in zip(leaves, targets))
     ):
         shapes = [np.shape(a) for a in leaves] if isinstance(leaves, list) else type(leaves).__name__
-        raise IslandsError(
-            "the healing state does not fit this island's model: "
+        raise HealRefused(
+            "the healing state is refused: it does not fit this island's model: "
             f"{shapes[:4]}... against {[t.shape for t in targets][:4]}..."
         )
     return jax.tree.unflatten(treedef, [np.asarray(a, t.dtype) for a, t in zip(leaves, targets)])

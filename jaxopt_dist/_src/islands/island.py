@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxopt_dist._src.islands import broadcast, healing, landing, merge, protocol
+from jaxopt_dist._src.islands import broadcast, gather, healing, landing, merge, protocol, wire
 from jaxopt_dist._src.islands.transport import Healed, IslandsError, Transport
 from jaxopt_dist._src.training import layout
 
@@ -56,6 +56,11 @@ class SyncRecord:
       exchange_seconds: the longest all-reduce in the round.
       vote_seconds: the longest commit vote in the round.
       backoff_seconds: the pauses between the round's attempts, together.
+      rejected: the contributions this island dropped in the round, as
+        ``(island id or None, reason)`` (a tag missing or wrong under the
+        shared secret, a header that lies about its length).
+      sent_bytes: the bytes this island has put on the wire so far, as its
+        transport counts them (0 where it counts none).
     """
 
     round: int
@@ -73,6 +78,8 @@ class SyncRecord:
     exchange_seconds: float = 0.0
     vote_seconds: float = 0.0
     backoff_seconds: float = 0.0
+    rejected: tuple[tuple[int | None, str], ...] = ()
+    sent_bytes: int = 0
 
 
 def anchor_sha256(opt_state: Any) -> str:
@@ -145,6 +152,7 @@ class Island:
         self._programs: landing.Programs | None = None
         self._healing: healing.Healing | None = None
         self._protocol: protocol.RoundProtocol | None = None
+        self._encoded = False  # rounds send the aggregate's encoded messages (see _gather)
 
     # ---------------------------------------------------------------- public
     def init(self, params: Any, *, warmup_batch: Any = None) -> tuple[Any, Any]:
@@ -169,6 +177,7 @@ class Island:
             rule=self.rule,
             round_timeout=self.round_timeout,
             settings=settings,
+            gather=self._gather(opt_state),
         )
         self._healing.keep(params, opt_state)
         self._digest = self._agreed(opt_state)
@@ -197,6 +206,28 @@ class Island:
         for f in self.exchange.launches_after(t):
             params, opt_state = self._launch(f, params, opt_state)
         return params, self._remember(opt_state), metrics
+
+    def _gather(self, opt_state: Any) -> gather.Exchange | None:
+        """How rounds gather (see :mod:`.gather`): the aggregate's encoded messages where it declares a
+        wire whose merge the islands make, its decoded values where the transport holds a secret only;
+        None: one SUM all-reduce."""
+        assert self._programs is not None
+        w, secret = self.exchange.wire, self.transport.secret
+        encoded = w is not None and w.merge in ("mean", "chosen_mean")
+        if not encoded and secret is None:
+            return None
+        self._encoded = encoded
+        layouts, like = {-1: wire.Layout(())}, {}
+        for f in range(len(opt_state.outer_states)):
+            leaves, message = self._programs.shapes(f, opt_state)
+            like[f] = leaves
+            layouts[f] = wire.Layout.of(message if encoded and message is not None else leaves)
+        programs = self._programs
+
+        def decode(f: int, message: list[np.ndarray], agg_state: Any) -> tuple[list[Any], Any]:
+            return programs.decode(f, message, agg_state, like[f]) if encoded else (message, None)
+
+        return gather.Exchange(secret, layouts, decode, like)
 
     def _warm_up(self, params: Any, opt_state: Any, batch: Any) -> None:
         """Compiles the step, and the exchange and landing of every fragment, on throwaway copies."""
@@ -248,6 +279,9 @@ class Island:
         self._healing.keep(params, opt_state)
         leaves, self._own_agg = self._programs.contribution(f, opt_state)
         c = protocol.Contribution(f, leaves, self._steps * self.tokens_per_step, self._digest)
+        if self._encoded:  # what the aggregate sends, and the state that reads the others' messages
+            agg = jax.tree.map(broadcast.host, opt_state.aggregate_states[f])
+            c = c._replace(message=self._programs.message(f, opt_state), agg_state=agg)
         self._steps = 0
         if self.exchange.land is not None:
             return self._land(self._round_now(c, params, opt_state), params, opt_state)
@@ -271,7 +305,10 @@ class Island:
         params, state = self._healing.adopt(got.state)
         f = self._fragment_of(state)
         zeros = [] if f is None else [np.zeros(x.shape, x.dtype) for x in self._fragment_leaves(state, f)]
-        return protocol.Adopted((params, state), protocol.Contribution(f, zeros, 0.0, self._agreed(state)))
+        c = protocol.Contribution(f, zeros, 0.0, self._agreed(state))
+        if self._encoded and f is not None:  # weight 0: no message; the state reads the others'
+            c = c._replace(agg_state=state.aggregate_states[f])
+        return protocol.Adopted((params, state), c)
 
     def _fragment_of(self, opt_state: Any) -> int | None:
         """The fragment a state (just after a send) waits to exchange; None for one that never stepped."""
@@ -347,6 +384,8 @@ class Island:
             exchange_seconds=w.exchange,
             vote_seconds=w.vote,
             backoff_seconds=w.backoff,
+            rejected=tuple((r.island, r.reason) for r in o.rejected),
+            sent_bytes=self.transport.sent_bytes() if self._lead else 0,
         )
         self.records.append(rec)
         self._digest = rec.agreed_sha256

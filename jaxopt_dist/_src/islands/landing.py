@@ -40,7 +40,12 @@ class Programs:
     def get(self, kind: str, f: int) -> Any:
         key = (kind, f)
         if key not in self._built:
-            build = {"exchange": _exchange_program, "land": _land_program, "finish": _finish_program}[kind]
+            build = {
+                "exchange": _exchange_program,
+                "land": _land_program,
+                "finish": _finish_program,
+                "encode": _encode_program,
+            }[kind]
             self._built[key] = build(self.exchange, f, self.mask, self.axis_name)
         return self._built[key]
 
@@ -51,6 +56,29 @@ class Programs:
         d, new_agg = self.get("exchange", f)(s.outbox[f], s.aggregate_states[f], s.anchor)
         placed_agg = jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new_agg, s.aggregate_states[f])
         return [broadcast.host(x) for x in d], placed_agg
+
+    def message(self, f: int, opt_state: Any) -> list[np.ndarray]:
+        """This island's encoded message of fragment ``f`` (host arrays): what its aggregate sends."""
+        s = opt_state
+        return [broadcast.host(x) for x in self.get("encode", f)(s.outbox[f], s.aggregate_states[f])]
+
+    def shapes(self, f: int, opt_state: Any) -> tuple[list[Any], list[Any] | None]:
+        """The shapes and dtypes of fragment ``f``'s aggregate and of its encoded message (None: no wire)."""
+        s = opt_state
+        leaves, _ = jax.eval_shape(self.get("exchange", f), s.outbox[f], s.aggregate_states[f], s.anchor)
+        if self.exchange.wire is None:
+            return list(leaves), None
+        return list(leaves), list(jax.eval_shape(self.get("encode", f), s.outbox[f], s.aggregate_states[f]))
+
+    def decode(
+        self, f: int, message: list[np.ndarray], agg_state: Any, like: list[Any]
+    ) -> tuple[list[Any], list[Any] | None]:
+        """One island's message of fragment ``f`` decoded as leaves ``like`` (shapes and dtypes), given this
+        island's aggregate state of the fragment (host arrays)."""
+        key = ("decode", f)
+        if key not in self._built:
+            self._built[key] = _decode_program(self.exchange, f, self.mask, self.axis_name, like)
+        return self._built[key](list(message), agg_state)
 
     def finished(self, f: int, merged: list[Any], opt_state: Any) -> list[Any]:
         """The merged first stages of fragment ``f`` (host), placed like its anchor leaves, after the
@@ -155,6 +183,25 @@ def _finish_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) 
 
     def body(merged_f, agg_f):
         return exchange.finish(f, list(merged_f), agg_f)
+
+    return _on_island(body, axis_name, (False, mask.aggregate_states[f]), False)
+
+
+def _encode_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName) -> Any:
+    """``(outbox_f, aggregate_state_f) -> message``: the aggregate's encoded message, no communication."""
+
+    def body(outbox_f, agg_f):
+        return list(exchange.wire.encode(list(outbox_f), agg_f))
+
+    return _on_island(body, axis_name, (True, mask.aggregate_states[f]), False)
+
+
+def _decode_program(exchange: Any, f: int, mask: Any, axis_name: base.AxisName, like: list[Any]) -> Any:
+    """``(message, aggregate_state_f) -> (values, support)``: one island's message decoded as ``like``."""
+    like = [jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in like]
+
+    def body(message, agg_f):
+        return exchange.wire.decode(list(message), like, agg_f)
 
     return _on_island(body, axis_name, (False, mask.aggregate_states[f]), False)
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandsError, Transport
+from jaxopt_dist._src.islands import wire
+from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandsError, Transport, ring_bytes
 
 
 class IslandKilled(BaseException):
@@ -71,9 +72,9 @@ class LocalHub:
         self._gone: set[int] = set()  # killed or left
         self._faults: dict[int, str] = {}  # island id -> "kill" | "fail", in its next all-reduce
 
-    def transport(self) -> LocalTransport:
-        """A new island's transport on this hub."""
-        return LocalTransport(self)
+    def transport(self, *, secret: bytes | str | None = None) -> LocalTransport:
+        """A new island's transport on this hub (``secret``: its shared secret, as the torchft transport's)."""
+        return LocalTransport(self, secret=secret)
 
     # ---------------------------------------------------------------- faults
     def kill(self, island_id: int) -> None:
@@ -171,6 +172,13 @@ class LocalHub:
 
     # -------------------------------------------------------------- exchange
     def allreduce(self, t: LocalTransport, r: _Round, buf: np.ndarray) -> np.ndarray:
+        return self._collect(t, r, buf, self._sum)
+
+    def allgather(self, t: LocalTransport, r: _Round, record: np.ndarray) -> list[np.ndarray]:
+        """Every member's ``record``, in the members' order (as ``allreduce``, without the sum)."""
+        return self._collect(t, r, record, lambda r: [r.contributions[k].copy() for k in r.members])
+
+    def _collect(self, t: LocalTransport, r: _Round, buf: np.ndarray, result: Callable[[_Round], Any]) -> Any:
         with self._cv:
             self._check_alive(t)
             fault = self._faults.pop(t.island_id, None)
@@ -188,7 +196,7 @@ class LocalHub:
                 raise ExchangeError(f"island {t.island_id}: the all-reduce timed out after {self.timeout} s")
             if r.failed:
                 raise ExchangeError(f"island {t.island_id}: a member of the round died")
-            total = self._sum(r)
+            total = result(r)
             if fault == "fail":
                 raise ExchangeError(f"island {t.island_id}: its all-reduce failed after the others finished")
             return total
@@ -216,8 +224,10 @@ class LocalHub:
 class LocalTransport(Transport):
     """One island's side of a :class:`LocalHub` (islands as threads of one process)."""
 
-    def __init__(self, hub: LocalHub):
+    def __init__(self, hub: LocalHub, *, secret: bytes | str | None = None):
         self.hub = hub
+        self.secret = wire.check_secret(secret)
+        self._sent = 0
         self.island_id, self.key = -1, -1
         self.committed = 0
         self.killed = False
@@ -250,7 +260,13 @@ class LocalTransport(Transport):
 
     def allreduce(self, buf: np.ndarray) -> np.ndarray:
         assert self._round is not None, "allreduce before quorum"
+        self._sent += ring_bytes(buf.nbytes, len(self._round.members), gather=False)
         return self.hub.allreduce(self, self._round, buf)
+
+    def allgather(self, record: np.ndarray) -> list[np.ndarray]:
+        assert self._round is not None, "allgather before quorum"
+        self._sent += ring_bytes(record.nbytes, len(self._round.members), gather=True)
+        return self.hub.allgather(self, self._round, record)
 
     def commit(self, ok: bool) -> bool:
         assert self._round is not None, "commit before quorum"
@@ -258,6 +274,10 @@ class LocalTransport(Transport):
         if agreed:
             self.committed += 1
         return agreed
+
+    def sent_bytes(self) -> int:
+        """The bytes a ring would send for this island's exchanges (no wire: counted, not sent)."""
+        return self._sent
 
     def fall_behind(self) -> None:
         self.committed = max(self.committed - 1, 0)

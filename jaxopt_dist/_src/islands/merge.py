@@ -16,10 +16,13 @@ the reference for islands that join and leave.
 
 The host buffer also carries, per island slot, whether the island took part,
 its weight, its round, a tag of its anchor, whether it healed in the round,
-when its process joined, a random nonce and its settings, so every
+when its process joined, a random nonce, the fragment and its settings, so every
 participant learns from the same all-reduce who was in the round, that they
-all merged the same round from the same anchor with the same settings, and
-whether two live islands claimed one slot.
+all merged the same round of the same fragment from the same anchor with the
+same settings, and whether two live islands claimed one slot. Every buffer of
+a run has one length (the body padded to the largest fragment's), so that an
+island that does not know the round's fragment (its heal was refused) can still
+take part, contributing nothing.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Merged(NamedTuple):
       joined: the round each participant's process joined the others in.
       nonces: each participant's random number, drawn when its process started.
       settings: each participant's settings vector (:data:`SETTINGS_SIZE` values).
+      fragments: the fragment each participant exchanged (-1: a join).
     """
 
     delta: list[np.ndarray]
@@ -87,6 +91,7 @@ class Merged(NamedTuple):
     joined: list[int] = []
     nonces: list[int] = []
     settings: list[tuple[float, ...]] = []
+    fragments: list[int] = []
 
     def agree(self) -> bool:
         """Whether every participant was in the same round from the same anchor."""
@@ -105,7 +110,7 @@ TAG_BITS = 24  # a float32 holds every integer below 2**24 exactly
 NONCE_BITS = 22  # the sum of a few nonces stays below 2**24
 SETTINGS_SIZE = 8
 """Values per island slot describing the settings every island of a run must share."""
-_FIELDS = 7  # present, weight, round, anchor, behind, joined, nonce
+_FIELDS = 8  # present, weight, round, anchor, behind, joined, nonce, fragment + 1
 
 
 def anchor_tag(sha256_hex: str) -> int:
@@ -115,7 +120,7 @@ def anchor_tag(sha256_hex: str) -> int:
 
 def tail_size(num_slots: int) -> int:
     """Floats a round's buffer carries after the pseudo-gradient: the weight, then per island slot
-    its presence, weight, round, anchor tag, heal flag, join round, nonce and settings."""
+    its presence, weight, round, anchor tag, heal flag, join round, nonce, fragment and settings."""
     return 1 + (_FIELDS + SETTINGS_SIZE) * num_slots
 
 
@@ -131,18 +136,23 @@ def pack(
     joined: int = 0,
     nonce: int = 0,
     settings: Sequence[float] = (),
+    fragment: int = -1,
+    body: int | None = None,
+    present: bool = True,
 ) -> np.ndarray:
     """The float32 buffer an island all-reduces.
 
-    ``[w * d (flat), w, then per slot: present, w, round, anchor, behind, joined,
-    nonce, settings]`` (:func:`tail_size` floats after ``d``): after the sum,
-    the slot values say who took part with which weight, in which round
-    (``round < 2**24``), from which anchor (``anchor``: :func:`anchor_tag`),
-    whether it healed in the round, in which round its process joined, with
-    which nonce (below ``2**22``) and settings (at most :data:`SETTINGS_SIZE`
-    integers below ``2**24``), so that every participant can check that they
-    all merged the same round. A fresh, writable array (an all-reduce may
-    write into it in place).
+    ``[w * d (flat, zero-padded to body), w, then per slot: present, w, round,
+    anchor, behind, joined, nonce, fragment + 1, settings]`` (:func:`tail_size`
+    floats after the body): after the sum, the slot values say who took part
+    with which weight, in which round (``round < 2**24``), from which anchor
+    (``anchor``: :func:`anchor_tag`), whether it healed in the round, in which
+    round its process joined, with which nonce (below ``2**22``), fragment (-1: a
+    join) and settings (at most :data:`SETTINGS_SIZE` integers below ``2**24``),
+    so that every participant can check that they all merged the same round.
+    ``body`` (default: ``d``'s size) is the run's longest fragment; ``present``
+    False leaves the slot empty (an island that abstains). A fresh, writable
+    array (an all-reduce may write into it in place).
     """
     if not 0 <= slot < num_slots:
         raise ValueError(f"island slot {slot} is outside [0, {num_slots}).")
@@ -156,7 +166,7 @@ def pack(
     if len(settings) > SETTINGS_SIZE:
         raise ValueError(f"`settings` has {len(settings)} values; at most {SETTINGS_SIZE}.")
     sizes = [int(np.size(x)) for x in leaves]
-    body = sum(sizes)
+    body = _body(sizes, body)
     buf = np.zeros(body + tail_size(num_slots), np.float32)
     start = 0
     w = np.float32(weight)
@@ -164,16 +174,27 @@ def pack(
         buf[start : start + n] = np.asarray(x, np.float32).reshape(-1) * w
         start += n
     buf[body] = w
-    values = (1.0, w, round, anchor, float(behind), joined, nonce, *settings)
+    if not present:
+        return buf
+    values = (1.0, w, round, anchor, float(behind), joined, nonce, fragment + 1, *settings)
     for k, value in enumerate(values):
         buf[body + 1 + k * num_slots + slot] = value
     return buf
 
 
-def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int) -> Merged:
-    """The merged round from the summed buffer; ``like``: the leaves' shapes and dtypes."""
+def _body(sizes: list[int], body: int | None) -> int:
+    if body is None:
+        return sum(sizes)
+    if body < sum(sizes):
+        raise ValueError(f"`body` ({body}) is shorter than the leaves ({sum(sizes)} entries).")
+    return body
+
+
+def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int, body: int | None = None) -> Merged:
+    """The merged round from the summed buffer; ``like``: the leaves' shapes and dtypes; ``body``: as
+    :func:`pack`'s."""
     sizes = [int(np.size(x)) for x in like]
-    body = sum(sizes)
+    body = _body(sizes, body)
     if buf.shape != (body + tail_size(num_slots),):
         raise ValueError(
             f"the summed buffer has {buf.shape[0]} entries; this fragment needs {body + tail_size(num_slots)}: "
@@ -181,7 +202,7 @@ def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int) -> Merged:
         )
     total = np.float32(buf[body])
     table = buf[body + 1 :].reshape(_FIELDS + SETTINGS_SIZE, num_slots)
-    present, slot_w, rounds, anchors, behind, joined, nonces = table[:_FIELDS]
+    present, slot_w, rounds, anchors, behind, joined, nonces, fragments = table[:_FIELDS]
     out, start = [], 0
     for x, n in zip(like, sizes):
         piece = buf[start : start + n] / total if total > 0 else np.zeros(n, np.float32)
@@ -199,6 +220,7 @@ def unpack(buf: np.ndarray, like: Sequence[Any], *, num_slots: int) -> Merged:
         [int(joined[i]) for i in slots],
         [int(nonces[i]) for i in slots],
         [tuple(float(v) for v in table[_FIELDS:, i]) for i in slots],
+        [int(fragments[i]) - 1 for i in slots],
     )
 
 

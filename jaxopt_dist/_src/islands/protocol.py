@@ -5,6 +5,8 @@ island, attempts of::
 
     healed = transport.quorum(timeout)   # a lagging island heals here (weight 0)
     merged = unpack(transport.allreduce(pack(...)))
+    # or, for an encoded aggregate or under a shared secret (:mod:`.gather`):
+    merged = combine(transport.allgather(seal(...)))   # records refused on a bad tag are dropped
     verdict = checks of merged           # ids, settings, rounds, anchors
     transport.commit(verdict.ok)         # every member's vote; False for all if one fails
 
@@ -31,6 +33,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -39,8 +42,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxopt_dist._src.islands import merge
+from jaxopt_dist._src.islands import gather, merge, wire
 from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandRefused, IslandsError, Transport
+
+_log = logging.getLogger("jaxopt_dist.islands")
 
 BACKOFF_FIRST = 0.05
 """Seconds of the pause after a round's first failed attempt; it doubles after each."""
@@ -133,12 +138,17 @@ class Contribution(NamedTuple):
       leaves: the island's aggregate of the fragment (host arrays).
       tokens: tokens trained on since the island's previous launch (its weight under ``"tokens"``).
       digest: SHA-256 of what the members must agree on before the round.
+      message: what the island sends where the round gathers (:mod:`.gather`):
+        its aggregate's encoded message (None: ``leaves`` themselves).
+      agg_state: the aggregate's state of the fragment before the round (decodes the messages).
     """
 
     fragment: int | None
     leaves: list[np.ndarray]
     tokens: float
     digest: str
+    message: list[np.ndarray] | None = None
+    agg_state: Any = None
 
 
 class Adopted(NamedTuple):
@@ -186,6 +196,7 @@ class Outcome:
     redone: int
     seconds: float
     waits: Waits = dataclasses.field(default_factory=Waits)
+    rejected: list[wire.Rejected] = dataclasses.field(default_factory=list)
 
 
 class Verdict(NamedTuple):
@@ -207,6 +218,9 @@ class RoundProtocol:
       rule: ``"mean"`` or ``"tokens"``.
       round_timeout: seconds a whole round may take.
       settings: this island's :class:`Settings`.
+      gather: a :class:`~.gather.Exchange`: the round gathers every member's
+        sealed record and combines them (encoded aggregates, a shared
+        secret); None: one SUM all-reduce.
     """
 
     def __init__(
@@ -218,7 +232,9 @@ class RoundProtocol:
         rule: str,
         round_timeout: float,
         settings: Settings,
+        gather: gather.Exchange | None = None,
     ):
+        self.gather = gather
         self.transport, self.island_id, self.num_slots = transport, island_id, num_slots
         self.rule, self.round_timeout, self.settings = rule, round_timeout, settings
         self.nonce = secrets.randbelow(2**merge.NONCE_BITS)
@@ -229,7 +245,7 @@ class RoundProtocol:
         refuse it). Raises :class:`IslandsError` (having left) when the round cannot commit in time."""
         start = time.monotonic()
         deadline = start + self.round_timeout
-        healed, waits = None, Waits()
+        healed, waits, rejected = None, Waits(), []
         for attempt in range(2**31):
             verdict, merged = Verdict(False), None
             try:
@@ -237,7 +253,7 @@ class RoundProtocol:
                 if got is not None:
                     adopted = adopt(got)
                     healed, c = adopted.trees, adopted.contribution
-                merged = self._exchange(c, healed is not None, waits)
+                merged, rejected = self._exchange(c, healed is not None, waits)
                 verdict = self._check(merged, healed is not None)
             except ExchangeError as e:
                 verdict = Verdict(False, str(e))
@@ -249,7 +265,8 @@ class RoundProtocol:
             if committed and merged is not None:
                 rounds = self.transport.rounds_committed() - 1
                 frag = -1 if c.fragment is None else c.fragment
-                return Outcome(frag, merged, healed, rounds, attempt, time.monotonic() - start, waits)
+                seconds = time.monotonic() - start
+                return Outcome(frag, merged, healed, rounds, attempt, seconds, waits, rejected)
             if verdict.leave is not None:
                 self.transport.close()
                 raise verdict.leave
@@ -274,8 +291,12 @@ class RoundProtocol:
             self.joined = self.transport.rounds_committed()
         return got
 
-    def _exchange(self, c: Contribution, healed: bool, waits: Waits) -> merge.Merged:
+    def _exchange(
+        self, c: Contribution, healed: bool, waits: Waits
+    ) -> tuple[merge.Merged, list[wire.Rejected]]:
         weight = 0.0 if c.fragment is None else merge.island_weight(self.rule, healed=healed, tokens=c.tokens)
+        if self.gather is not None:
+            return self._gathered(c, weight, healed, waits)
         buf = merge.pack(
             c.leaves,
             weight,
@@ -290,7 +311,34 @@ class RoundProtocol:
         )
         with waits.timed("exchange"):
             total = self.transport.allreduce(buf)
-        return merge.unpack(total, c.leaves, num_slots=self.num_slots)
+        return merge.unpack(total, c.leaves, num_slots=self.num_slots), []
+
+    def _gathered(
+        self, c: Contribution, weight: float, healed: bool, waits: Waits
+    ) -> tuple[merge.Merged, list[wire.Rejected]]:
+        """The round over the gather path: this island's sealed record out, every member's in, combined."""
+        assert self.gather is not None
+        fragment = -1 if c.fragment is None else c.fragment
+        header = wire.Header(
+            island=self.island_id,
+            round=self.transport.rounds_committed(),
+            fragment=fragment,
+            weight=weight,
+            anchor=merge.anchor_tag(c.digest),
+            joined=self.joined or 0,
+            nonce=self.nonce,
+            settings=tuple(int(v) for v in self.settings),
+            healed=healed,
+        )
+        record = self.gather.seal(header, c.leaves if c.message is None else c.message)
+        with waits.timed("exchange"):
+            records = self.transport.allgather(record)
+        got = gather.combine(records, self.gather, fragment, num_slots=self.num_slots, state=c.agg_state)
+        for r in got.rejected:
+            _log.warning(
+                "island %d dropped a contribution from island %s: %s", self.island_id, r.island, r.reason
+            )
+        return got.merged, got.rejected
 
     def _fall_behind(self, reason: str) -> None:
         try:

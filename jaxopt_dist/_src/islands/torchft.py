@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxopt_dist._src.islands import heal_http
-from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandsError, Transport
+from jaxopt_dist._src.islands import heal_http, wire
+from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandsError, Transport, ring_bytes
 
 
 @dataclasses.dataclass
@@ -59,6 +59,8 @@ class TorchftTransport(Transport):
     quorum_retries: int = 0
     requery: float = 0.5
     host: str | None = None
+    secret: bytes | None = None
+    _sent: int = dataclasses.field(default=0, init=False, repr=False)
     _manager: Any = dataclasses.field(default=None, init=False, repr=False)
     _pg: Any = dataclasses.field(default=None, init=False, repr=False)
     _store: Any = dataclasses.field(default=None, init=False, repr=False)
@@ -71,6 +73,7 @@ class TorchftTransport(Transport):
         for name in ("timeout", "heal_timeout", "quorum_timeout", "connect_timeout", "requery"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be > 0 seconds; got {getattr(self, name)}.")
+        self.secret = wire.check_secret(self.secret)
 
     @property
     def exchange_seconds(self) -> float:
@@ -91,7 +94,7 @@ class TorchftTransport(Transport):
         )
         seconds = timedelta(seconds=self.timeout)
         self._pg = _bound_gloo(host, seconds)
-        self._healing = _healing_transport(host, self.heal_timeout)
+        self._healing = _healing_transport(host, self.heal_timeout, island_id, self.secret)
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=self._received_state,
@@ -155,10 +158,31 @@ class TorchftTransport(Transport):
         torch = _optional("torch")
         tensor = torch.from_numpy(buf)
         self._issued = True
+        self._sent += ring_bytes(buf.nbytes, int(self._manager.num_participants()), gather=False)
         self._manager.allreduce(tensor, reduce_op=_optional("torch.distributed").ReduceOp.SUM).wait()
         if self._manager.errored():
             raise ExchangeError(f"the all-reduce failed: {self._manager.errored()}")
         return buf
+
+    def allgather(self, record: np.ndarray) -> list[np.ndarray]:
+        """Every member's record over the round's process group (one all-gather); a failure is reported
+        to the ``Manager`` as an all-reduce's is, so that the round does not commit."""
+        torch = _optional("torch")
+        self._issued = True
+        if self._manager.errored():
+            raise ExchangeError(f"the quorum failed: {self._manager.errored()}")
+        n = int(self._manager.num_participants())
+        mine = torch.from_numpy(np.ascontiguousarray(record, np.uint8))
+        out = [torch.empty_like(mine) for _ in range(n)]
+        try:
+            self._pg.allgather(
+                [out], [mine], _optional("torch._C._distributed_c10d").AllgatherOptions()
+            ).wait()
+        except Exception as e:  # a member died or stalled past the timeout
+            self._manager.report_error(e)
+            raise ExchangeError(f"the all-gather failed: {e!r}") from e
+        self._sent += ring_bytes(record.nbytes, n, gather=True)
+        return [t.numpy() for t in out]
 
     def commit(self, ok: bool) -> bool:
         """The vote: an all-reduce of each member's failure (0 or 1) on the round's process group; the
@@ -173,10 +197,17 @@ class TorchftTransport(Transport):
             self._manager._quorum_id = -1  # (a restarted lighthouse counts quorum ids from 0 again)
         return committed
 
+    def sent_bytes(self) -> int:
+        """The exchanges' and votes' bytes this island sent (a ring's: ``(n - 1) * record`` for an
+        all-gather, ``2 (n - 1) / n * buffer`` for an all-reduce), and the healing states it served."""
+        served = self._healing.server.sent if self._healing is not None else 0
+        return int(self._sent + served)
+
     def _vote(self, ok: bool) -> bool:
         torch = _optional("torch")
         dist = _optional("torch.distributed")
         failed = torch.tensor([0.0 if ok else 1.0])
+        self._sent += ring_bytes(4, int(self._manager.num_participants()), gather=False)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         try:
@@ -245,14 +276,17 @@ def _bound_gloo(host: str, timeout: timedelta) -> Any:
     return BoundGloo(timeout=timeout)
 
 
-def _healing_transport(host: str, heal_timeout: float) -> Any:
+def _healing_transport(host: str, heal_timeout: float, island_id: int, secret: bytes | None) -> Any:
     """torchft's ``CheckpointTransport`` over :class:`~.heal_http.HealServer` on ``host``: no pickle, and
-    a heal bounded by ``heal_timeout`` (and the round's deadline), not by the exchange's timeout."""
+    a heal bounded by ``heal_timeout`` (and the round's deadline), not by the exchange's timeout; its
+    responses carry the tag of ``secret`` and it accepts only those that do."""
     CheckpointTransport = _optional("torchft.checkpointing.transport").CheckpointTransport
 
     class Healing(CheckpointTransport):
         def __init__(self) -> None:
-            self.server = heal_http.HealServer(host, send_timeout=heal_timeout)
+            self.server = heal_http.HealServer(
+                host, source=island_id, secret=secret, send_timeout=heal_timeout
+            )
             self.deadline = time.monotonic() + heal_timeout
             self.seconds = 0.0
 
@@ -271,7 +305,7 @@ def _healing_transport(host: str, heal_timeout: float) -> Any:
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any) -> Any:
             del src_rank, timeout
             start = time.monotonic()
-            state = heal_http.fetch(f"{metadata}{step}", deadline=self.deadline)
+            state = heal_http.fetch(f"{metadata}{step}", deadline=self.deadline, secret=secret)
             self.seconds = time.monotonic() - start
             return state
 

@@ -2,14 +2,16 @@
 
 A round, as :mod:`.protocol` runs it on every island (one attempt)::
 
-    healed = transport.quorum(timeout)   # membership; a lagging island heals here
-    total = transport.allreduce(buffer)  # one SUM all-reduce; raises ExchangeError
-    if transport.commit(ok): ...         # every member's exchange succeeded (a vote)
+    healed = transport.quorum(timeout)    # membership; a lagging island heals here
+    total = transport.allreduce(buffer)   # one SUM all-reduce (the float32 mean); raises ExchangeError
+    records = transport.allgather(record) # or: every member's sealed record (encoded, authenticated merges)
+    if transport.commit(ok): ...          # every member's exchange succeeded (a vote)
 
 An attempt that does not commit is run again, after a pause, among a new
-quorum. :class:`~.local.LocalHub` implements the interface for islands that
-are threads of one process (no torch needed); :mod:`.torchft` between
-processes and hosts.
+quorum. A heal that fails or is refused (:class:`HealRefused`) fails the
+attempt like a failed exchange. :class:`~.local.LocalHub` implements the
+interface for islands that are threads of one process (no torch needed);
+:mod:`.torchft` between processes and hosts.
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class ExchangeError(RuntimeError):
     """An all-reduce among the round's members failed (a member died or stalled); the round is run again."""
 
 
+class HealRefused(ExchangeError):
+    """A healing state was refused on arrival (a bad tag, digest, structure or anchor): the island loads
+    nothing of it, and the attempt fails as a failed exchange does."""
+
+
 class Healed(NamedTuple):
     """What a quorum healed this island to.
 
@@ -46,7 +53,15 @@ class Healed(NamedTuple):
 
 
 class Transport(abc.ABC):
-    """What an island needs of the link to the others (one object per island)."""
+    """What an island needs of the link to the others (one object per island).
+
+    Attributes:
+      secret: the islands' shared secret (bytes), or None: it authenticates
+        every contribution and healing state this island sends, and this
+        island accepts only those that carry its tag.
+    """
+
+    secret: bytes | None = None
 
     @property
     @abc.abstractmethod
@@ -74,14 +89,31 @@ class Transport(abc.ABC):
     def allreduce(self, buf: np.ndarray) -> np.ndarray:
         """The SUM of ``buf`` over the quorum's members; raises :class:`ExchangeError` on a failure."""
 
+    def allgather(self, record: np.ndarray) -> list[np.ndarray]:
+        """Every member's ``record`` (uint8, of one length on every member), in the members' order
+        (this island's among them); raises :class:`ExchangeError` on a failure.
+
+        Rounds gather where the ``aggregate`` is encoded or under a shared secret; a transport
+        that cannot leaves this undone, and such rounds fail with its error.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot gather the islands' records (an encoded aggregate or a shared "
+            "secret needs it); use a plain mean without a secret, or a transport that gathers"
+        )
+
     @abc.abstractmethod
     def commit(self, ok: bool) -> bool:
         """The members' vote on the attempt: True only when every member voted ``ok``.
 
-        A member votes False when its exchange failed or its checks of the
-        summed buffer did not pass; a vote that cannot complete (a member
+        A member votes False when its exchange failed or its checks of what
+        it received did not pass; a vote that cannot complete (a member
         died) is False. True advances the committed-round count.
         """
+
+    def sent_bytes(self) -> int:
+        """Bytes this island has put on the wire so far (its exchanges, votes and the heals it served),
+        as the transport counts them; 0 where it counts none."""
+        return 0
 
     def close(self) -> None:  # noqa: B027 (optional to override)
         """Leaves; the others' next quorum goes on without this island."""
@@ -96,3 +128,11 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def rounds_committed(self) -> int:
         """Rounds this island has committed (after healing: its source's count)."""
+
+
+def ring_bytes(nbytes: int, n: int, *, gather: bool) -> int:
+    """Bytes one member sends in a ring all-gather (``(n - 1) * nbytes``) or all-reduce
+    (``2 (n - 1) / n * nbytes``) of ``nbytes`` among ``n`` members."""
+    if n <= 1:
+        return 0
+    return (n - 1) * nbytes if gather else (2 * (n - 1) * nbytes) // n

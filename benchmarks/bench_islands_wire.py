@@ -1,0 +1,207 @@
+"""The islands' wire: bytes per round between 3 islands, as the kernel counts them, per ``--aggregate``.
+
+Each run is a lighthouse and 3 islands of ``examples/islands.py`` (one process
+each) inside a network namespace of their own (``unshare --net``, loopback
+up, optionally shaped with ``tc``). The namespace's loopback ``tx_bytes``
+(``/proc/net/dev``) is read whenever a round's log line appears; bytes per
+round are the counter's growth from the first round to the last, over the
+rounds between (the start-up and the join are left out, the lighthouse's
+heartbeats and quorums are in). Beside them: the formula (a ring all-reduce of
+the float32 buffer, ``2 (n - 1) / n`` of it per island, or a ring all-gather of
+the records, ``(n - 1)`` records per island, plus the 4-byte vote), and the
+islands' own ``sent_bytes`` (summed over the islands). With ``--rate`` the
+loopback is shaped (``tbf``) and the table gives seconds per round and the
+compute utilisation (inner-step seconds, stand-in ``--step-sleep`` included,
+over wall seconds).
+
+    sudo python benchmarks/bench_islands_wire.py --hidden 16384 --aggregates mean,low_bit,sparseloco,muloco
+    sudo python benchmarks/bench_islands_wire.py --hidden 16384 --rate 100mbit --step-sleep 0.1 \
+        --aggregates mean,sparseloco
+
+Needs root, ``unshare``, ``ip`` (and ``tc`` for ``--rate``), torch and torchft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "islands.py"
+
+
+def lo_tx() -> int:
+    for line in pathlib.Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, rest = line.split(":", 1)
+        if name.strip() == "lo":
+            return int(rest.split()[8])
+    raise RuntimeError("no loopback in /proc/net/dev")
+
+
+def inside(args: argparse.Namespace) -> None:
+    """Runs in the namespace: one configuration, one JSON line out."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    if args.rate:
+        subprocess.run(
+            f"tc qdisc add dev lo root tbf rate {args.rate} burst 256kb latency 2s".split(), check=True
+        )
+    work = tempfile.mkdtemp()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error", "XLA_FLAGS": ""}
+    py, port = sys.executable, "29700"
+    common = ["--lighthouse", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--min-islands", "3"]
+    common += [
+        "--hidden",
+        str(args.hidden),
+        "--sync-every",
+        str(args.sync_every),
+        "--aggregate",
+        args.aggregate,
+    ]
+    common += [
+        "--steps",
+        str(args.sync_every * (args.rounds + 1)),
+        "--timeout",
+        "60",
+        "--round-timeout",
+        "300",
+    ]
+    common += ["--step-sleep", str(args.step_sleep), "--timings", "--quorum-timeout", "300"]
+    if args.secret:
+        secret = pathlib.Path(work, "secret")
+        secret.write_bytes(os.urandom(32))
+        common += ["--secret-file", str(secret)]
+    lh = subprocess.Popen(
+        [py, str(EXAMPLE), "--serve-lighthouse", f"127.0.0.1:{port}", "--min-islands", "3"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(2.0)
+    logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]), *common],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for i in range(3)
+    ]
+    tx: dict[int, int] = {}  # round -> loopback tx_bytes when its last island logged it
+    while any(p.poll() is None for p in procs):
+        rows = [json.loads(x) for f in logs if f.exists() for x in f.read_text().splitlines() if x]
+        for r in range(1, args.rounds + 2):
+            if r not in tx and sum(row.get("round") == r for row in rows) == 3:
+                tx[r] = lo_tx()
+        time.sleep(0.005)
+    lh.kill()
+    rows = [json.loads(x) for f in logs for x in f.read_text().splitlines() if x]
+    rounds = sorted(tx)
+    first, last = rounds[0], rounds[-1]
+    per_round = (tx[last] - tx[first]) / (last - first)
+    sent = [sum(r["sent_bytes"] for r in rows if r.get("round") == k) for k in range(first + 1, last + 1)]
+    done = [r for r in rows if r.get("done")]
+    secs = [r["seconds"] for r in rows if r.get("round", 0) > first]
+    print(json.dumps({
+        "aggregate": args.aggregate, "secret": args.secret, "rate": args.rate, "rounds": last - first,
+        "kernel_bytes_per_round": per_round, "sent_bytes_per_round": sum(sent) / len(sent),
+        "rejected": sum(len(r.get("rejected", [])) for r in rows),
+        "round_seconds": sum(secs) / max(len(secs), 1),
+        "utilisation": [d["compute_seconds"] / d["wall_seconds"] for d in done],
+    }))  # fmt: skip
+
+
+def formula(aggregate: str, hidden: int, secret: bool) -> float:
+    """Bytes per round over the 3 islands' links: the ring all-reduce or all-gather, and the vote."""
+    import jax
+    import numpy as np
+
+    from jaxopt_dist._src import base
+    from jaxopt_dist._src.islands import merge, wire
+    from jaxopt_dist._src.islands.transport import ring_bytes
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import islands as example
+
+    argv = [
+        "--island-id",
+        "0",
+        "--lighthouse",
+        "127.0.0.1:1",
+        "--hidden",
+        str(hidden),
+        "--aggregate",
+        aggregate,
+    ]
+    setup = example.build(example.parse_args(argv))
+    leaves = jax.tree.leaves(setup.params)
+    n, size = 3, sum(x.size for x in leaves)
+    vote = ring_bytes(4, n, gather=False)
+    agg = setup.tx.external.wire
+    if agg is None and not secret:
+        return n * (ring_bytes(4 * (size + merge.tail_size(64)), n, gather=False) + vote)
+    like = [np.zeros(x.shape, np.float32) for x in leaves]
+    if agg is None:
+        message = like
+    else:
+        first = {"low_bit": lambda: __import__("jaxopt_dist").low_bit(),
+                 "sparseloco": lambda: __import__("jaxopt_dist").chunked_top_k(64, chunk=64, bits=2),
+                 "muloco": lambda: base.two_stage_of(__import__("jaxopt_dist").statistical_quantize(2)).first}[aggregate]()  # fmt: skip
+        message = jax.eval_shape(agg.encode, like, first.init(like))
+    record = wire.record_size([wire.Layout.of(message)])
+    return n * (ring_bytes(record, n, gather=True) + vote)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--aggregates", default="mean,low_bit,sparseloco,muloco")
+    p.add_argument("--aggregate", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, default=16384)
+    p.add_argument("--sync-every", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rate", default=None, help="shape the loopback, e.g. 100mbit")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="stand-in compute per inner step (s)")
+    p.add_argument("--secret", action="store_true", help="run with a shared secret")
+    args = p.parse_args()
+    if args.aggregate is not None:
+        inside(args)
+        return
+    print(
+        "| aggregate | secret | kernel bytes/round | formula | sent_bytes | x fewer than mean | s/round | utilisation |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    mean = None
+    for agg in args.aggregates.split(","):
+        cmd = ["unshare", "--net", sys.executable, __file__, *_rest(args), "--aggregate", agg]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        if r.returncode:
+            print(f"| {agg} | failed: {r.stderr[-300:]!r} |")
+            continue
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        f = formula(agg, args.hidden, args.secret)
+        mean = row["kernel_bytes_per_round"] if agg == "mean" else mean
+        ratio = "" if mean is None or agg == "mean" else f"{mean / row['kernel_bytes_per_round']:.1f}"
+        util = ", ".join(f"{u:.2f}" for u in row["utilisation"])
+        print(
+            f"| {agg} | {args.secret} | {row['kernel_bytes_per_round']:.0f} | {f:.0f} | "
+            f"{row['sent_bytes_per_round']:.0f} | {ratio} | {row['round_seconds']:.2f} | {util} |",
+            flush=True,
+        )
+
+
+def _rest(args: argparse.Namespace) -> list[str]:
+    out = ["--hidden", str(args.hidden), "--sync-every", str(args.sync_every), "--rounds", str(args.rounds)]
+    out += ["--step-sleep", str(args.step_sleep)]
+    if args.rate:
+        out += ["--rate", args.rate]
+    if args.secret:
+        out += ["--secret"]
+    return out
+
+
+if __name__ == "__main__":
+    main()
