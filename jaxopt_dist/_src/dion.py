@@ -459,7 +459,7 @@ def scale_by_dion(
     def reduce(arrays: list[jax.Array]) -> list[jax.Array]:
         if axis_name is None:
             return arrays
-        kw = dict(flatten=True, caller=name, invariant_updates=invariant_updates)
+        kw: dict[str, Any] = dict(flatten=True, caller=name, invariant_updates=invariant_updates)
         if any(comm.reduced_axes(arrays, axis_name)):  # some arrived reduced: comm.reduce sorts them out
             return comm.reduce(arrays, axis_name, **kw)
         # One flat buffer per dtype, cut back at offsets hidden from the compiler (base.unpack).

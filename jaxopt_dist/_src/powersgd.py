@@ -511,7 +511,7 @@ def powersgd(
         def mean(arrays):
             # A leaf typed invariant (updates that arrived reduced, with a replicated residual)
             # is the same on every worker: its own mean, and what follows from it stays invariant.
-            kw = dict(flatten=True, caller="powersgd", invariant_updates="mean")
+            kw: dict[str, Any] = dict(flatten=True, caller="powersgd", invariant_updates="mean")
             if any(comm.reduced_axes(list(arrays), axis_name)):
                 return comm.reduce(list(arrays), axis_name, **kw)
             # One flat buffer per dtype, cut back at offsets hidden from the compiler (base.unpack).

@@ -387,7 +387,8 @@ def statistical_quantize(
         payload, sent = _quantized_rows(decayed, bits, spread, row_wise)
         gathered = comm.all_gather_packed(payload, axis_name, caller=name)
         dense = iter(comm.reduce([g for g, keep in zip(leaves, flags) if not keep], axis_name, caller=name))
-        new_errors, means = list(errors), [None if keep else next(dense) for keep in flags]
+        new_errors = list(errors)
+        means: list[Any] = [None if keep else next(dense) for keep in flags]
         decoded = _mean_of_rows(gathered, decayed, n, bits, row_wise)
         for i, e, mean in zip(quantized, groups.unstack(sent), groups.unstack(decoded)):
             new_errors[i], means[i] = e, mean
