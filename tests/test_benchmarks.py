@@ -76,3 +76,20 @@ def test_every_lowcomm_row_builds_and_traces():
         final = jax.eval_shape(evaluate, p, s)
         assert jax.tree.structure(final) == jax.tree.structure(p0), name
         assert [x.shape for x in jax.tree.leaves(final)] == [x.shape for x in jax.tree.leaves(p0)], name
+
+
+def test_bench_compile_has_every_demo_row_and_times_one():
+    """``bench_compile`` knows every row of the demo plus the orthonormal ones, and times one row."""
+    sys.path.insert(0, str(helpers.ROOT / "benchmarks"))
+    sys.path.insert(0, str(helpers.ROOT / "examples"))
+    import bench_compile as bench
+    import demo
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    names = list(bench.rows(2, bench.gpt_params(1)))
+    assert names == [*demo.methods(), "muon", "dion", "dion2"]
+    with jax.numpy_rank_promotion("allow"):  # the benchmark's model broadcasts as scripts may
+        out = bench.measure(1, ["dense"], mesh)
+    timing, baseline = out["dense"]
+    assert timing.lower > 0 and timing.compile > 0 and timing.cpu > 0 and timing.hlo_lines > 100
+    assert out["(hand-written adam)"] == (baseline, baseline)
