@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,8 +190,6 @@ def test_resolve():
 
 def _fused_kernels(compiled_text: str) -> tuple[int, int]:
     """(fused computations, distinct ones once their names are set aside) of a compiled HLO text."""
-    import re
-
     blocks = re.findall(r"^(%?fused\S*) [^\n]*\{\n(.*?)\n\}", compiled_text, re.M | re.S)
     bodies = {re.sub(r"%[\w.\-]+|\.\d+|metadata=\{[^}]*\}", "", body) for _, body in blocks}
     return len(blocks), len(bodies)

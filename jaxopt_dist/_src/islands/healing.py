@@ -63,7 +63,7 @@ class Healing:
         """A served state as host ``(params, opt_state)`` shaped like this island's, its residuals zeroed;
         served from now on. Raises :class:`IslandRefused` when the source's settings differ."""
         theirs = state.get("settings") if isinstance(state, dict) else None
-        if not isinstance(theirs, dict) or set(theirs) != set(Settings._fields):
+        if not isinstance(theirs, dict) or set(theirs) != set(self.settings._asdict()):
             raise IslandRefused(f"island {self.island_id} is refused: its healing source sent no settings.")
         words = self.settings.differences(
             Settings(**{k: int(v) for k, v in theirs.items()}), "its healing source"
