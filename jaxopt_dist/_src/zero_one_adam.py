@@ -188,7 +188,10 @@ def zero_one_adam(
       :class:`ZeroOneAdamState`.
 
     Communication:
-      A ``lax.switch`` on the replicated counters picks one of four steps.
+      A ``lax.switch`` on the replicated counters picks one of three steps
+      (a variance step, a 1-bit exchange, a phase-B local step); the phase-A
+      steps without a variance update and the phase-B syncs share the one
+      1-bit exchange, their inputs and outputs chosen by the phase.
       Variance steps: one all-reduce (mean) of all the gradients in one
       float32 buffer, ``4 d`` bytes (``d`` entries in all). Phase-A steps
       without a variance update and phase-B syncs (``n > 1``), with ``P_l``
@@ -317,35 +320,36 @@ def zero_one_adam(
             nu = [k2 * v + one_minus_k2 * x * x for v, x in zip(s.nu, mean)]
             return s._replace(updates=adam_steps(mu, nu), mu=mu, nu=nu)
 
-        def compressed(s: _Moments, g):
-            we, se = s.worker_error, s.server_error
-            if n > 1:
-                g, we, se = error_feedback.onebit_allreduce(g, we, se, n, axis_name, caller=_NAME)
-            mu = momentum(s.mu, g)
-            return s._replace(updates=adam_steps(mu, s.nu), mu=mu, worker_error=we, server_error=se)
-
         def local(s: _Moments, g):
             mu = momentum(s.mu, g)
             steps = adam_steps(mu, s.nu)
             acc = [a + x for a, x in zip(s.acc, steps)]
             return s._replace(updates=steps, mu=mu, acc=acc, lrs=s.lrs + lr)
 
-        def sync(s: _Moments, g):
+        def onebit(s: _Moments, g):
+            """A phase-A step without a variance update or a phase-B sync: one 1-bit all-reduce serves both."""
+            syncs = count >= freeze  # phase B; replicated, so every worker takes the same side
             stepped = local(s, g)
             d = denominators(s.nu)
-            scaled = [a * x for a, x in zip(stepped.acc, d)]
+            sent = [jnp.where(syncs, a * x, y) for a, x, y in zip(stepped.acc, d, g)]
             first = count == freeze  # the first phase-B step (always a sync): fresh error buffers
             we = [jnp.where(first, jnp.zeros_like(e), e) for e in s.worker_error]
             se = [jnp.where(first, jnp.zeros_like(e), e) for e in s.server_error]
-            mean = scaled
+            mean = sent
             if n > 1:
-                mean, we, se = error_feedback.onebit_allreduce(scaled, we, se, n, axis_name, caller=_NAME)
+                mean, we, se = error_feedback.onebit_allreduce(sent, we, se, n, axis_name, caller=_NAME)
+            # Phase A: the momentum takes the 1-bit mean gradient.
+            mu_a = momentum(s.mu, mean)
+            steps_a = adam_steps(mu_a, s.nu)
+            # Phase B: the momentum re-estimated from the mean of the accumulated steps; p - a_old
+            # (the parameters at the last sync, to rounding) + mean / d, as one update.
             total = stepped.lrs
-            mu = [jnp.where(total > 0, -(x / total), m) for x, m in zip(mean, stepped.mu)]
-            # p - a_old (the parameters at the last sync, to rounding) + mean / d, as one update.
-            out = [x / y - a for x, y, a in zip(mean, d, s.acc)]
-            zero = [jnp.zeros_like(a) for a in s.acc]
-            return _Moments(out, mu, s.nu, zero, jnp.zeros_like(s.lrs), we, se)
+            mu_b = [jnp.where(total > 0, -(x / total), m) for x, m in zip(mean, stepped.mu)]
+            steps_b = [x / y - a for x, y, a in zip(mean, d, s.acc)]
+            pick = lambda b, a: [jnp.where(syncs, x, y) for x, y in zip(b, a)]  # noqa: E731
+            acc = [jnp.where(syncs, jnp.zeros_like(a), a) for a in s.acc]
+            lrs = jnp.where(syncs, jnp.zeros_like(s.lrs), s.lrs)
+            return _Moments(pick(steps_b, steps_a), pick(mu_b, mu_a), s.nu, acc, lrs, we, se)
 
         def typed(step):
             def branch(s: _Moments, g):
@@ -367,7 +371,9 @@ def zero_one_adam(
         phase_b = t > freeze
         variance_step = (t + 1) % state.var_interval == 0
         sync_step = (t + 1) % state.local_step_interval == 0
-        index = jnp.where(phase_b, jnp.where(sync_step, 3, 2), jnp.where(variance_step, 0, 1))
+        # 0: variance step; 1: a 1-bit exchange (phase A without a variance update, or a phase-B
+        # sync); 2: a phase-B local step.
+        index = jnp.where(phase_b, jnp.where(sync_step, 1, 2), jnp.where(variance_step, 0, 1))
         schedules = _schedules(state, phase_b, variance_step, var_scaler, local_scaler, clipper)
         if not grads:  # nothing to optimise
             return updates, state._replace(count=jnp.asarray(optax.safe_increment(count)), **schedules)
@@ -381,9 +387,7 @@ def zero_one_adam(
             server_error=list(state.server_error),
         )
         g32 = [x.astype(jnp.float32) for x in grads]
-        after = jax.lax.switch(
-            index, [typed(variance), typed(compressed), typed(local), typed(sync)], before, g32
-        )
+        after = jax.lax.switch(index, [typed(variance), typed(onebit), typed(local)], before, g32)
         return jax.tree.unflatten(
             treedef, [u.astype(x.dtype) for u, x in zip(after.updates, grads)]
         ), ZeroOneAdamState(
