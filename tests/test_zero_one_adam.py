@@ -372,6 +372,16 @@ def test_communication_cost_of_each_kind_of_step(n):
     assert onebit < cost.dense_bytes / 10
 
 
+def test_one_onebit_exchange_in_the_program():
+    # Phase A's 1-bit gradient and phase B's sync share one exchange: the traced update holds one
+    # all-reduce (variance steps), one all-to-all and one all-gather, whatever the step.
+    tx = _tx(4)
+    cost = jd.communication_cost(
+        tx, {"w": jnp.zeros((16, 8)), "b": jnp.zeros(3)}, num_workers=4, steps=16, start=0
+    )
+    assert sorted(c.kind for c in cost.sites) == ["all_gather", "all_reduce", "all_to_all"]
+
+
 def test_steady_state_sends_one_sync_in_local_step_clipper():
     params = {"w": jnp.zeros((256, 256))}
     tx = zero_one_adam(1e-3, num_workers=8, var_freeze_step=1, local_step_scaler=1, local_step_clipper=16)
