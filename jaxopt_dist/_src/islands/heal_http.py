@@ -186,8 +186,10 @@ def read(
 
 
 def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | None, limit: int | None) -> Any:
+    source: int | None = None  # the serving island, once its header names it
+
     def refuse(reason: str) -> HealRefused:
-        return HealRefused(f"the healing state from {where} is refused: {reason}")
+        return HealRefused(f"the healing state from {where} is refused: {reason}", source)
 
     def take(n: int, what: str) -> bytes:
         buf = bytearray(n)
@@ -206,6 +208,7 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
     header_bytes = take(n_header, "the header")
     problem = tag_problem(secret, take(TAG_BYTES, "the tag"), tag(secret, b"heal", header_bytes))
     if problem is not None:
+        source = _claimed_source(header_bytes)  # unauthenticated: named, never trusted
         raise refuse(problem)
     try:
         header = json.loads(header_bytes)
@@ -214,7 +217,7 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
         specs = [_spec(s) for s in header["arrays"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise refuse(f"its header is malformed: {e}") from e
-    source = header.get("source")
+    source = _claimed_source(header_bytes)
     if source is not None:
         where = f"{where} (island {source})"
     if expect is not None:
@@ -241,6 +244,15 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
     except (RecursionError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise refuse(str(e)) from e
     return tree
+
+
+def _claimed_source(header: bytes) -> int | None:
+    """The island a header says it comes from (None where it does not say, or is not JSON)."""
+    try:
+        source = json.loads(header).get("source")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return source if isinstance(source, int) and not isinstance(source, bool) else None
 
 
 def _spec(s: Any) -> tuple[str, np.dtype, tuple[int, ...], str]:

@@ -169,7 +169,7 @@ class Island:
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
         settings = protocol.Settings.of(self.exchange, self.rule, params, opt_state)
-        self._healing = healing.Healing(self.island_id, settings, mask.aggregate_states)
+        self._healing = healing.Healing(self.island_id, settings, mask.aggregate_states, self._agreed)
         self._protocol = protocol.RoundProtocol(
             self.transport,
             island_id=self.island_id,
@@ -179,10 +179,10 @@ class Island:
             settings=settings,
             gather=self._gather(opt_state),
         )
-        self._healing.keep(params, opt_state)
         self._digest = self._agreed(opt_state)
+        self._healing.keep(params, opt_state, self._digest)
         if self._lead:
-            self.transport.bind(self.island_id, self._healing.serve)
+            self.transport.bind(self.island_id, self._healing.serve, self._healing.expected())
         join = protocol.Contribution(None, [], 0.0, self._digest)
         params, opt_state = self._land(self._round_now(join, params, opt_state), params, opt_state)
         return params, self._remember(opt_state)
@@ -276,7 +276,7 @@ class Island:
         The round's contribution (the aggregate, the tokens since the last launch, the digest) is fixed
         here, in the main thread."""
         assert self._programs is not None and self._healing is not None and self._protocol is not None
-        self._healing.keep(params, opt_state)
+        self._healing.keep(params, opt_state, self._digest)
         leaves, self._own_agg = self._programs.contribution(f, opt_state)
         c = protocol.Contribution(f, leaves, self._steps * self.tokens_per_step, self._digest)
         if self._encoded:  # what the aggregate sends, and the state that reads the others' messages
