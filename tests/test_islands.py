@@ -957,9 +957,9 @@ def test_a_healing_state_whose_anchor_is_not_the_agreed_one_is_refused_and_the_o
     its round's members agreed on: island 2 refuses it (naming island 0 and the anchor), abstains from
     that attempt, so islands 0 and 1 commit their round at once (not redone, no timeout waited), and
     heals in the next round; from then on the three agree bit for bit."""
-    make_tx, steps = _maker({}), 7 * H
+    make_tx, steps = _maker({}), 10 * H
     secret = b"islands-shared-secret"  # under a secret rounds gather, so a refused heal can abstain
-    hub = islands.LocalHub(min_islands=2, join_timeout=0.5, timeout=20.0)
+    hub = islands.LocalHub(min_islands=2, join_timeout=2.0, timeout=20.0)  # a quorum waits for all three
     out, errors, served, bound = {}, {}, threading.Event(), threading.Event()
 
     def late(i, transport):

@@ -64,11 +64,16 @@ class Expected(NamedTuple):
         under torchft's ``Manager``, which wraps it); no array lies elsewhere.
       verify: called with the island's part once every array has arrived and
         matched its digest; raises ``ValueError`` saying why it refuses it.
+      first: called with the island's part before any array is read or
+        compared (its plain values, None in place of each array): e.g. the
+        source's settings, which may refuse the island itself (an error
+        other than ``ValueError`` passes through unchanged).
     """
 
     arrays: list[tuple[str, str, tuple[int, ...]]]
     prefix: str = ""
     verify: Callable[[Any], None] | None = None
+    first: Callable[[Any], None] | None = None
 
 
 class Staged(NamedTuple):
@@ -132,7 +137,7 @@ def _skeleton(x: Any, arrays: list[np.ndarray], paths: list[str], path: str) -> 
     return {"a": len(arrays) - 1}
 
 
-def _rebuild(skeleton: Any, arrays: list[np.ndarray]) -> Any:
+def _rebuild(skeleton: Any, arrays: list[Any]) -> Any:
     ((kind, body),) = skeleton.items()
     if kind == "d":
         return {str(k): _rebuild(v, arrays) for k, v in body.items()}
@@ -220,6 +225,11 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
     source = _claimed_source(header_bytes)
     if source is not None:
         where = f"{where} (island {source})"
+    if expect is not None and expect.first is not None:
+        try:
+            expect.first(_part(_rebuild(header["tree"], [None] * len(specs)), expect.prefix))
+        except (RecursionError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise refuse(str(e)) from e
     if expect is not None:
         mismatch = _mismatch([(p, d.name, s) for p, d, s, _ in specs], expect)
         if mismatch:

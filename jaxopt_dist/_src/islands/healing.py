@@ -81,7 +81,7 @@ class Healing:
             for part, tree in (("params", params), ("opt_state", opt_state))
             for i, x in enumerate(jax.tree.leaves(tree))
         ]
-        return heal_http.Expected(arrays, verify=self.verify)
+        return heal_http.Expected(arrays, verify=self.verify, first=self.check_settings)
 
     def verify(self, state: Any) -> None:
         """Raises ``ValueError`` unless a received state's digest (its anchor's, recomputed here) is the
@@ -101,17 +101,7 @@ class Healing:
     def adopt(self, state: Any) -> tuple[Any, Any]:
         """A served state as host ``(params, opt_state)`` shaped like this island's, its residuals zeroed;
         served from now on. Raises :class:`IslandRefused` when the source's settings differ."""
-        theirs = state.get("settings") if isinstance(state, dict) else None
-        if not isinstance(theirs, dict) or set(theirs) != set(self.settings._asdict()):
-            raise IslandRefused(f"island {self.island_id} is refused: its healing source sent no settings.")
-        words = self.settings.differences(
-            Settings(**{k: int(v) for k, v in theirs.items()}), "its healing source"
-        )
-        if words:
-            raise IslandRefused(
-                f"island {self.island_id} is refused: its settings differ from the others': "
-                + "; ".join(words)
-            )
+        self.check_settings(state)
         with self._lock:
             params, opt_state = self._trees
         new_params = _host_like(params, state["params"])
@@ -124,6 +114,21 @@ class Healing:
         with self._lock:
             self._trees, self._host, self._agreed = trees, _leaves(*trees), agreed
         return trees
+
+    def check_settings(self, state: Any) -> None:
+        """Raises :class:`IslandRefused` (this island may not take part) when a served state's settings
+        are missing or differ from this island's (checked before any of its arrays is read)."""
+        theirs = state.get("settings") if isinstance(state, dict) else None
+        if not isinstance(theirs, dict) or set(theirs) != set(self.settings._asdict()):
+            raise IslandRefused(f"island {self.island_id} is refused: its healing source sent no settings.")
+        words = self.settings.differences(
+            Settings(**{k: int(v) for k, v in theirs.items()}), "its healing source"
+        )
+        if words:
+            raise IslandRefused(
+                f"island {self.island_id} is refused: its settings differ from the others': "
+                + "; ".join(words)
+            )
 
 
 def _leaves(params: Any, opt_state: Any) -> dict[str, list[np.ndarray]]:

@@ -36,6 +36,7 @@ from jaxopt_dist._src.islands.transport import (
     ExchangeError,
     Healed,
     HealRefused,
+    IslandRefused,
     IslandsError,
     Transport,
     ring_bytes,
@@ -201,7 +202,7 @@ class TorchftTransport(Transport):
         round commits when its sum is 0. A member that issued no all-reduce this attempt (its quorum
         failed) does not vote, so that no member pairs its vote with another's exchange; the others'
         vote then fails within the timeout."""
-        abstains = self._refused() is not None  # its only error is the refused heal (see Transport)
+        abstains = isinstance(self._refused(), HealRefused)  # its only error: the refused heal
         agreed = self._issued and self._vote(ok and (abstains or not self._manager.errored()))
         if not agreed:
             self._manager.report_error(RuntimeError("not every member of the round voted to commit"))
@@ -211,7 +212,7 @@ class TorchftTransport(Transport):
         return committed
 
     def _refused(self) -> Any:
-        """The :class:`HealRefused` of this attempt's heal, or None."""
+        """Why this attempt's heal was refused (:class:`HealRefused`, or :class:`IslandRefused`: settings), or None."""
         return None if self._healing is None else self._healing.refused
 
     def sent_bytes(self) -> int:
@@ -310,7 +311,7 @@ def _healing_transport(
             )
             self.deadline = time.monotonic() + heal_timeout
             self.seconds = 0.0
-            self.refused: HealRefused | None = None
+            self.refused: HealRefused | IslandRefused | None = None
 
         def metadata(self) -> str:
             return self.server.url
@@ -331,7 +332,7 @@ def _healing_transport(
                 state = heal_http.fetch(
                     f"{metadata}{step}", deadline=self.deadline, secret=secret, expect=expect
                 )
-            except HealRefused as e:
+            except (HealRefused, IslandRefused) as e:  # torchft reports it as a failed quorum
                 self.refused = e
                 raise
             self.seconds = time.monotonic() - start
