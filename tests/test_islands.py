@@ -192,6 +192,7 @@ VARIANTS = {
     "low_bit": dict(aggregate="low_bit"),
     # Encoded on the wire (gathered, decoded and combined in island order).
     "sparseloco": dict(aggregate="chunked_top_k"),
+    "top_k_flat": dict(aggregate="top_k_flat"),
     # Per-island anchors: each takes its own fresh pseudo-gradient with its share of the last round.
     "eager": dict(eager=True),
     "eager_streaming": dict(eager=True, num_fragments=2),
@@ -205,6 +206,7 @@ def _maker(opts):
         "statistical_quantize_requantized": lambda: jd.statistical_quantize(2),
         "low_bit": lambda: jd.low_bit(3, 0, block_size=8),
         "chunked_top_k": lambda: jd.chunked_top_k(4, chunk=4, bits=2),
+        "top_k_flat": lambda: jd.top_k(k=10, per_leaf=False),
     }
     if "aggregate" in opts:
         make = aggregates[opts["aggregate"]]

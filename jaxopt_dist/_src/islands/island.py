@@ -412,6 +412,14 @@ def _check_step(step: Any) -> None:
             "state a round launched with while the next steps run, and a donating step consumes it. "
             "Build the step with donate=False."
         )
+    wire_merge = getattr(external.wire, "merge", "mean")
+    if wire_merge not in ("mean", "chosen_mean"):
+        raise ValueError(
+            f"an Island cannot run this diloco's aggregate: it combines the workers' messages by "
+            f"{wire_merge!r}, which islands do not make (chunked_top_k or sparseloco with "
+            "clip_to_median_norm=True clips each worker by the median norm of all of them); a mean of "
+            "each island's result would be another number. Use clip_to_median_norm=False across islands."
+        )
     n = layout.mesh_axis_size(step.mesh, step.axis_name)
     if n != 1:
         raise ValueError(
