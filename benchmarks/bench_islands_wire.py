@@ -17,6 +17,7 @@ over wall seconds).
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --aggregates mean,low_bit,sparseloco,muloco
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --rate 100mbit --step-sleep 0.1 \
         --aggregates mean,sparseloco
+    python benchmarks/bench_islands_wire.py --secret-cost   # the secret's CPU cost per round alone
 
 Needs root, ``unshare``, ``ip`` (and ``tc`` for ``--rate``), torch and torchft.
 """
@@ -115,14 +116,42 @@ def inside(args: argparse.Namespace) -> None:
     }))  # fmt: skip
 
 
-def formula(aggregate: str, hidden: int, secret: bool) -> float:
-    """Bytes per round over the 3 islands' links: the ring all-reduce or all-gather, and the vote."""
+def secret_cost(aggregate: str, hidden: int, repeats: int = 20) -> dict[str, float]:
+    """The secret's CPU cost per round at one island: sealing its record and opening the 3 records of a
+    round (its own included) with the secret's HMAC-SHA256, against the same without a secret; the
+    records of ``aggregate``'s message (the float32 mean's: its leaves) for ``--hidden``."""
+    import statistics as st
+
+    import numpy as np
+
+    from jaxopt_dist._src.islands import wire
+
+    layout = wire.Layout.of(_message(aggregate, hidden))
+    size = wire.record_size([layout])
+    rng = np.random.default_rng(0)
+    message = [rng.integers(0, 255, int(np.prod(s)) * np.dtype(d).itemsize, np.uint8).view(d).reshape(s)
+               for d, s in layout.specs]  # fmt: skip
+    header = wire.Header(0, 1, 0, 1.0, 7, 0, 3, (1,) * 8, layout=layout.tag)
+    secret = os.urandom(32)
+
+    def one_round(key: bytes | None) -> float:
+        start = time.perf_counter()
+        record = wire.seal(header, message, size=size, secret=key)
+        for _ in range(3):
+            assert isinstance(wire.open_record(record, layouts={0: layout}, secret=key), wire.Opened)
+        return time.perf_counter() - start
+
+    with_secret = st.median(one_round(secret) for _ in range(repeats))
+    without = st.median(one_round(None) for _ in range(repeats))
+    return {"record": size, "with": with_secret, "without": without}
+
+
+def _message(aggregate: str, hidden: int) -> list:
+    """The shapes and dtypes of one island's message for ``aggregate`` (the float32 leaves for ``mean``)."""
     import jax
     import numpy as np
 
     from jaxopt_dist._src import base
-    from jaxopt_dist._src.islands import merge, wire
-    from jaxopt_dist._src.islands.transport import ring_bytes
 
     sys.path.insert(0, str(ROOT / "examples"))
     import islands as example
@@ -138,20 +167,26 @@ def formula(aggregate: str, hidden: int, secret: bool) -> float:
         aggregate,
     ]
     setup = example.build(example.parse_args(argv))
-    leaves = jax.tree.leaves(setup.params)
-    n, size = 3, sum(x.size for x in leaves)
-    vote = ring_bytes(4, n, gather=False)
+    like = [np.zeros(x.shape, np.float32) for x in jax.tree.leaves(setup.params)]
     agg = setup.tx.external.wire
-    if agg is None and not secret:
-        return n * (ring_bytes(4 * (size + merge.tail_size(64)), n, gather=False) + vote)
-    like = [np.zeros(x.shape, np.float32) for x in leaves]
     if agg is None:
-        message = like
-    else:
-        first = {"low_bit": lambda: __import__("jaxopt_dist").low_bit(),
-                 "sparseloco": lambda: __import__("jaxopt_dist").chunked_top_k(64, chunk=64, bits=2),
-                 "muloco": lambda: base.two_stage_of(__import__("jaxopt_dist").statistical_quantize(2)).first}[aggregate]()  # fmt: skip
-        message = jax.eval_shape(agg.encode, like, first.init(like))
+        return like
+    first = {"low_bit": lambda: __import__("jaxopt_dist").low_bit(),
+             "sparseloco": lambda: __import__("jaxopt_dist").chunked_top_k(64, chunk=64, bits=2),
+             "muloco": lambda: base.two_stage_of(__import__("jaxopt_dist").statistical_quantize(2)).first}[aggregate]()  # fmt: skip
+    return list(jax.eval_shape(agg.encode, like, first.init(like)))
+
+
+def formula(aggregate: str, hidden: int, secret: bool) -> float:
+    """Bytes per round over the 3 islands' links: the ring all-reduce or all-gather, and the vote."""
+    from jaxopt_dist._src.islands import merge, wire
+    from jaxopt_dist._src.islands.transport import ring_bytes
+
+    n, vote = 3, ring_bytes(4, 3, gather=False)
+    message = _message(aggregate, hidden)
+    if aggregate == "mean" and not secret:
+        size = sum(int(x.size) for x in message)
+        return n * (ring_bytes(4 * (size + merge.tail_size(64)), n, gather=False) + vote)
     record = wire.record_size([wire.Layout.of(message)])
     return n * (ring_bytes(record, n, gather=True) + vote)
 
@@ -166,9 +201,27 @@ def main() -> None:
     p.add_argument("--rate", default=None, help="shape the loopback, e.g. 100mbit")
     p.add_argument("--step-sleep", type=float, default=0.0, help="stand-in compute per inner step (s)")
     p.add_argument("--secret", action="store_true", help="run with a shared secret")
+    p.add_argument(
+        "--secret-cost",
+        action="store_true",
+        help="only the secret's CPU cost per round (no islands, no root)",
+    )
     args = p.parse_args()
     if args.aggregate is not None:
         inside(args)
+        return
+    if args.secret_cost:
+        print(
+            "| aggregate | record, bytes | seal 1 + open 3, with the secret, ms | without, ms | the secret's cost, ms/round |"
+        )
+        print("|---|---|---|---|---|")
+        for agg in args.aggregates.split(","):
+            c = secret_cost(agg, args.hidden)
+            print(
+                f"| {agg} | {c['record']} | {1e3 * c['with']:.2f} | {1e3 * c['without']:.2f} | "
+                f"{1e3 * (c['with'] - c['without']):.2f} |",
+                flush=True,
+            )
         return
     print(
         "| aggregate | secret | kernel bytes/round | formula | sent_bytes | x fewer than mean | s/round | utilisation |"
