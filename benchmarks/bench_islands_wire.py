@@ -12,7 +12,11 @@ the records, ``(n - 1)`` records per island, plus the 4-byte vote), and the
 islands' own ``sent_bytes`` (summed over the islands). With ``--rate`` the
 loopback is shaped (``tbf``) and the table gives seconds per round and the
 compute utilisation (inner-step seconds, stand-in ``--step-sleep`` included,
-over wall seconds).
+over wall seconds, from the first step to the last: start-up stalls included),
+and the steady one: the stand-in compute of a period (``H * --step-sleep``)
+over the median wall time between an island's consecutive round lines, from
+the first round on (the small model's own step time left out of the compute,
+so a lower bound).
 
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --aggregates mean,low_bit,sparseloco,muloco
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --rate 100mbit --step-sleep 0.1 \
@@ -28,6 +32,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,6 +78,7 @@ def inside(args: argparse.Namespace) -> None:
         "300",
     ]
     common += ["--step-sleep", str(args.step_sleep), "--timings", "--quorum-timeout", "300"]
+    common += ["--sync-delay", str(args.sync_delay), "--eval-every", str(args.eval_every)]
     if args.secret:
         secret = pathlib.Path(work, "secret")
         secret.write_bytes(os.urandom(32))
@@ -106,13 +112,18 @@ def inside(args: argparse.Namespace) -> None:
     per_round = (tx[last] - tx[first]) / (last - first)
     sent = [sum(r["sent_bytes"] for r in rows if r.get("round") == k) for k in range(first + 1, last + 1)]
     done = [r for r in rows if r.get("done")]
+    gaps = []  # per island, the wall seconds between consecutive round lines after the first round
+    for i in range(3):
+        times = sorted(r["time"] for r in rows if r.get("island") == str(i) and r.get("round", 0) >= first)
+        gaps += [b - a for a, b in zip(times, times[1:])]
+    steady = args.sync_every * args.step_sleep / statistics.median(gaps) if gaps and args.step_sleep else 0.0
     secs = [r["seconds"] for r in rows if r.get("round", 0) > first]
     print(json.dumps({
         "aggregate": args.aggregate, "secret": args.secret, "rate": args.rate, "rounds": last - first,
         "kernel_bytes_per_round": per_round, "sent_bytes_per_round": sum(sent) / len(sent),
         "rejected": sum(len(r.get("rejected", [])) for r in rows),
         "round_seconds": sum(secs) / max(len(secs), 1),
-        "utilisation": [d["compute_seconds"] / d["wall_seconds"] for d in done],
+        "utilisation": [d["compute_seconds"] / d["wall_seconds"] for d in done], "steady": steady,
     }))  # fmt: skip
 
 
@@ -202,6 +213,10 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="stand-in compute per inner step (s)")
     p.add_argument("--secret", action="store_true", help="run with a shared secret")
     p.add_argument(
+        "--sync-delay", type=int, default=0, help="inner steps a round may overlap (the example's)"
+    )
+    p.add_argument("--eval-every", type=int, default=1, help="the example's evaluation, every R rounds")
+    p.add_argument(
         "--secret-cost",
         action="store_true",
         help="only the secret's CPU cost per round (no islands, no root)",
@@ -224,9 +239,10 @@ def main() -> None:
             )
         return
     print(
-        "| aggregate | secret | kernel bytes/round | formula | sent_bytes | x fewer than mean | s/round | utilisation |"
+        "| aggregate | secret | kernel bytes/round | formula | sent_bytes | x fewer than mean | s/round "
+        "| utilisation | steady utilisation |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     mean = None
     for agg in args.aggregates.split(","):
         cmd = ["unshare", "--net", sys.executable, __file__, *_rest(args), "--aggregate", agg]
@@ -241,14 +257,16 @@ def main() -> None:
         util = ", ".join(f"{u:.2f}" for u in row["utilisation"])
         print(
             f"| {agg} | {args.secret} | {row['kernel_bytes_per_round']:.0f} | {f:.0f} | "
-            f"{row['sent_bytes_per_round']:.0f} | {ratio} | {row['round_seconds']:.2f} | {util} |",
+            f"{row['sent_bytes_per_round']:.0f} | {ratio} | {row['round_seconds']:.2f} | {util} | "
+            f"{row['steady']:.2f} |",
             flush=True,
         )
 
 
 def _rest(args: argparse.Namespace) -> list[str]:
     out = ["--hidden", str(args.hidden), "--sync-every", str(args.sync_every), "--rounds", str(args.rounds)]
-    out += ["--step-sleep", str(args.step_sleep)]
+    out += ["--step-sleep", str(args.step_sleep), "--sync-delay", str(args.sync_delay)]
+    out += ["--eval-every", str(args.eval_every)]
     if args.rate:
         out += ["--rate", args.rate]
     if args.secret:
