@@ -13,10 +13,9 @@ islands' own ``sent_bytes`` (summed over the islands). With ``--rate`` the
 loopback is shaped (``tbf``) and the table gives seconds per round and the
 compute utilisation (inner-step seconds, stand-in ``--step-sleep`` included,
 over wall seconds, from the first step to the last: start-up stalls included),
-and the steady one: the stand-in compute of a period (``H * --step-sleep``)
-over the median wall time between an island's consecutive round lines, from
-the first round on (the small model's own step time left out of the compute,
-so a lower bound).
+and the steady one: a period's compute (``H`` times the island's mean step,
+blocked on, ``--step-sleep`` included) over the median wall time between its
+consecutive round lines, from the first round on (start-up stalls left out).
 
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --aggregates mean,low_bit,sparseloco,muloco
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --rate 100mbit --step-sleep 0.1 \
@@ -112,11 +111,15 @@ def inside(args: argparse.Namespace) -> None:
     per_round = (tx[last] - tx[first]) / (last - first)
     sent = [sum(r["sent_bytes"] for r in rows if r.get("round") == k) for k in range(first + 1, last + 1)]
     done = [r for r in rows if r.get("done")]
-    gaps = []  # per island, the wall seconds between consecutive round lines after the first round
-    for i in range(3):
-        times = sorted(r["time"] for r in rows if r.get("island") == str(i) and r.get("round", 0) >= first)
-        gaps += [b - a for a, b in zip(times, times[1:])]
-    steady = args.sync_every * args.step_sleep / statistics.median(gaps) if gaps and args.step_sleep else 0.0
+    steady = []  # per island: a period's compute over the median wall time between its round lines
+    for d in done:
+        times = sorted(
+            r["time"] for r in rows if r.get("island") == d["island"] and r.get("round", 0) >= first
+        )
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if gaps and d.get("steps_timed"):
+            per_step = d["compute_seconds"] / d["steps_timed"]  # the step, blocked on, and --step-sleep
+            steady.append(args.sync_every * per_step / statistics.median(gaps))
     secs = [r["seconds"] for r in rows if r.get("round", 0) > first]
     print(json.dumps({
         "aggregate": args.aggregate, "secret": args.secret, "rate": args.rate, "rounds": last - first,
@@ -258,7 +261,7 @@ def main() -> None:
         print(
             f"| {agg} | {args.secret} | {row['kernel_bytes_per_round']:.0f} | {f:.0f} | "
             f"{row['sent_bytes_per_round']:.0f} | {ratio} | {row['round_seconds']:.2f} | {util} | "
-            f"{row['steady']:.2f} |",
+            f"{', '.join(f'{u:.2f}' for u in row['steady'])} |",
             flush=True,
         )
 

@@ -56,9 +56,11 @@ class SyncRecord:
       exchange_seconds: the longest all-reduce in the round.
       vote_seconds: the longest commit vote in the round.
       backoff_seconds: the pauses between the round's attempts, together.
-      rejected: the contributions this island dropped in the round, as
-        ``(island id or None, reason)`` (a tag missing or wrong under the
-        shared secret, a header that lies about its length).
+      rejected: the contributions this island dropped in the round, and the
+        healing states it refused in it, as ``(island id or None, reason)``
+        (a tag missing or wrong under the shared secret, a header that lies
+        about its length; a healing state that fails a check of
+        :mod:`.heal_http`, its source's claimed id where it gives one).
       sent_bytes: the bytes this island has put on the wire so far, as its
         transport counts them (0 where it counts none).
     """

@@ -10,7 +10,11 @@ island, attempts of::
     verdict = checks of merged           # ids, settings, rounds, anchors
     transport.commit(verdict.ok)         # every member's vote; False for all if one fails
 
-until an attempt commits. Between attempts an island pauses (backoff with
+until an attempt commits. A healing state the transport refuses
+(:class:`HealRefused`) is never loaded: where the round gathers, the island
+then sends an abstaining record (weight 0, no payload) and votes with the
+others, who commit the attempt without it, and it heals again in its next
+quorum; where it all-reduces, the attempt fails. Between attempts an island pauses (backoff with
 jitter); the whole round, quorum and heal included, ends within
 ``round_timeout``. The checks, every member reading the same summed buffer:
 

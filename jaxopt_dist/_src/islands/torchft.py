@@ -201,7 +201,9 @@ class TorchftTransport(Transport):
         """The vote: an all-reduce of each member's failure (0 or 1) on the round's process group; the
         round commits when its sum is 0. A member that issued no all-reduce this attempt (its quorum
         failed) does not vote, so that no member pairs its vote with another's exchange; the others'
-        vote then fails within the timeout."""
+        vote then fails within the timeout. A member whose heal was refused, having exchanged an
+        abstaining record, votes ``ok`` for the others and does not commit itself (torchft's
+        ``Manager`` holds the refusal as its error)."""
         abstains = isinstance(self._refused(), HealRefused)  # its only error: the refused heal
         agreed = self._issued and self._vote(ok and (abstains or not self._manager.errored()))
         if not agreed:
