@@ -12,11 +12,15 @@ the records, ``(n - 1)`` records per island, plus the 4-byte vote), and the
 islands' own ``sent_bytes`` (summed over the islands). With ``--rate`` the
 loopback is shaped (``tbf``) and the table gives seconds per round and the
 compute utilisation (inner-step seconds, stand-in ``--step-sleep`` included,
-over wall seconds).
+over wall seconds, from the first step to the last: start-up stalls included),
+and the steady one: a period's compute (``H`` times the island's mean step,
+blocked on, ``--step-sleep`` included) over the median wall time between its
+consecutive round lines, from the first round on (start-up stalls left out).
 
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --aggregates mean,low_bit,sparseloco,muloco
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --rate 100mbit --step-sleep 0.1 \
         --aggregates mean,sparseloco
+    python benchmarks/bench_islands_wire.py --secret-cost   # the secret's CPU cost per round alone
 
 Needs root, ``unshare``, ``ip`` (and ``tc`` for ``--rate``), torch and torchft.
 """
@@ -27,6 +31,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,6 +77,7 @@ def inside(args: argparse.Namespace) -> None:
         "300",
     ]
     common += ["--step-sleep", str(args.step_sleep), "--timings", "--quorum-timeout", "300"]
+    common += ["--sync-delay", str(args.sync_delay), "--eval-every", str(args.eval_every)]
     if args.secret:
         secret = pathlib.Path(work, "secret")
         secret.write_bytes(os.urandom(32))
@@ -105,24 +111,61 @@ def inside(args: argparse.Namespace) -> None:
     per_round = (tx[last] - tx[first]) / (last - first)
     sent = [sum(r["sent_bytes"] for r in rows if r.get("round") == k) for k in range(first + 1, last + 1)]
     done = [r for r in rows if r.get("done")]
+    steady = []  # per island: a period's compute over the median wall time between its round lines
+    for d in done:
+        times = sorted(
+            r["time"] for r in rows if r.get("island") == d["island"] and r.get("round", 0) >= first
+        )
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        if gaps and d.get("steps_timed"):
+            per_step = d["compute_seconds"] / d["steps_timed"]  # the step, blocked on, and --step-sleep
+            steady.append(args.sync_every * per_step / statistics.median(gaps))
     secs = [r["seconds"] for r in rows if r.get("round", 0) > first]
     print(json.dumps({
         "aggregate": args.aggregate, "secret": args.secret, "rate": args.rate, "rounds": last - first,
         "kernel_bytes_per_round": per_round, "sent_bytes_per_round": sum(sent) / len(sent),
         "rejected": sum(len(r.get("rejected", [])) for r in rows),
         "round_seconds": sum(secs) / max(len(secs), 1),
-        "utilisation": [d["compute_seconds"] / d["wall_seconds"] for d in done],
+        "utilisation": [d["compute_seconds"] / d["wall_seconds"] for d in done], "steady": steady,
     }))  # fmt: skip
 
 
-def formula(aggregate: str, hidden: int, secret: bool) -> float:
-    """Bytes per round over the 3 islands' links: the ring all-reduce or all-gather, and the vote."""
+def secret_cost(aggregate: str, hidden: int, repeats: int = 20) -> dict[str, float]:
+    """The secret's CPU cost per round at one island: sealing its record and opening the 3 records of a
+    round (its own included) with the secret's HMAC-SHA256, against the same without a secret; the
+    records of ``aggregate``'s message (the float32 mean's: its leaves) for ``--hidden``."""
+    import statistics as st
+
+    import numpy as np
+
+    from jaxopt_dist._src.islands import wire
+
+    layout = wire.Layout.of(_message(aggregate, hidden))
+    size = wire.record_size([layout])
+    rng = np.random.default_rng(0)
+    message = [rng.integers(0, 255, int(np.prod(s)) * np.dtype(d).itemsize, np.uint8).view(d).reshape(s)
+               for d, s in layout.specs]  # fmt: skip
+    header = wire.Header(0, 1, 0, 1.0, 7, 0, 3, (1,) * 8, layout=layout.tag)
+    secret = os.urandom(32)
+
+    def one_round(key: bytes | None) -> float:
+        start = time.perf_counter()
+        record = wire.seal(header, message, size=size, secret=key)
+        for _ in range(3):
+            assert isinstance(wire.open_record(record, layouts={0: layout}, secret=key), wire.Opened)
+        return time.perf_counter() - start
+
+    with_secret = st.median(one_round(secret) for _ in range(repeats))
+    without = st.median(one_round(None) for _ in range(repeats))
+    return {"record": size, "with": with_secret, "without": without}
+
+
+def _message(aggregate: str, hidden: int) -> list:
+    """The shapes and dtypes of one island's message for ``aggregate`` (the float32 leaves for ``mean``)."""
     import jax
     import numpy as np
 
     from jaxopt_dist._src import base
-    from jaxopt_dist._src.islands import merge, wire
-    from jaxopt_dist._src.islands.transport import ring_bytes
 
     sys.path.insert(0, str(ROOT / "examples"))
     import islands as example
@@ -138,20 +181,26 @@ def formula(aggregate: str, hidden: int, secret: bool) -> float:
         aggregate,
     ]
     setup = example.build(example.parse_args(argv))
-    leaves = jax.tree.leaves(setup.params)
-    n, size = 3, sum(x.size for x in leaves)
-    vote = ring_bytes(4, n, gather=False)
+    like = [np.zeros(x.shape, np.float32) for x in jax.tree.leaves(setup.params)]
     agg = setup.tx.external.wire
-    if agg is None and not secret:
-        return n * (ring_bytes(4 * (size + merge.tail_size(64)), n, gather=False) + vote)
-    like = [np.zeros(x.shape, np.float32) for x in leaves]
     if agg is None:
-        message = like
-    else:
-        first = {"low_bit": lambda: __import__("jaxopt_dist").low_bit(),
-                 "sparseloco": lambda: __import__("jaxopt_dist").chunked_top_k(64, chunk=64, bits=2),
-                 "muloco": lambda: base.two_stage_of(__import__("jaxopt_dist").statistical_quantize(2)).first}[aggregate]()  # fmt: skip
-        message = jax.eval_shape(agg.encode, like, first.init(like))
+        return like
+    first = {"low_bit": lambda: __import__("jaxopt_dist").low_bit(),
+             "sparseloco": lambda: __import__("jaxopt_dist").chunked_top_k(64, chunk=64, bits=2),
+             "muloco": lambda: base.two_stage_of(__import__("jaxopt_dist").statistical_quantize(2)).first}[aggregate]()  # fmt: skip
+    return list(jax.eval_shape(agg.encode, like, first.init(like)))
+
+
+def formula(aggregate: str, hidden: int, secret: bool) -> float:
+    """Bytes per round over the 3 islands' links: the ring all-reduce or all-gather, and the vote."""
+    from jaxopt_dist._src.islands import merge, wire
+    from jaxopt_dist._src.islands.transport import ring_bytes
+
+    n, vote = 3, ring_bytes(4, 3, gather=False)
+    message = _message(aggregate, hidden)
+    if aggregate == "mean" and not secret:
+        size = sum(int(x.size) for x in message)
+        return n * (ring_bytes(4 * (size + merge.tail_size(64)), n, gather=False) + vote)
     record = wire.record_size([wire.Layout.of(message)])
     return n * (ring_bytes(record, n, gather=True) + vote)
 
@@ -166,14 +215,37 @@ def main() -> None:
     p.add_argument("--rate", default=None, help="shape the loopback, e.g. 100mbit")
     p.add_argument("--step-sleep", type=float, default=0.0, help="stand-in compute per inner step (s)")
     p.add_argument("--secret", action="store_true", help="run with a shared secret")
+    p.add_argument(
+        "--sync-delay", type=int, default=0, help="inner steps a round may overlap (the example's)"
+    )
+    p.add_argument("--eval-every", type=int, default=1, help="the example's evaluation, every R rounds")
+    p.add_argument(
+        "--secret-cost",
+        action="store_true",
+        help="only the secret's CPU cost per round (no islands, no root)",
+    )
     args = p.parse_args()
     if args.aggregate is not None:
         inside(args)
         return
+    if args.secret_cost:
+        print(
+            "| aggregate | record, bytes | seal 1 + open 3, with the secret, ms | without, ms | the secret's cost, ms/round |"
+        )
+        print("|---|---|---|---|---|")
+        for agg in args.aggregates.split(","):
+            c = secret_cost(agg, args.hidden)
+            print(
+                f"| {agg} | {c['record']} | {1e3 * c['with']:.2f} | {1e3 * c['without']:.2f} | "
+                f"{1e3 * (c['with'] - c['without']):.2f} |",
+                flush=True,
+            )
+        return
     print(
-        "| aggregate | secret | kernel bytes/round | formula | sent_bytes | x fewer than mean | s/round | utilisation |"
+        "| aggregate | secret | kernel bytes/round | formula | sent_bytes | x fewer than mean | s/round "
+        "| utilisation | steady utilisation |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     mean = None
     for agg in args.aggregates.split(","):
         cmd = ["unshare", "--net", sys.executable, __file__, *_rest(args), "--aggregate", agg]
@@ -188,14 +260,16 @@ def main() -> None:
         util = ", ".join(f"{u:.2f}" for u in row["utilisation"])
         print(
             f"| {agg} | {args.secret} | {row['kernel_bytes_per_round']:.0f} | {f:.0f} | "
-            f"{row['sent_bytes_per_round']:.0f} | {ratio} | {row['round_seconds']:.2f} | {util} |",
+            f"{row['sent_bytes_per_round']:.0f} | {ratio} | {row['round_seconds']:.2f} | {util} | "
+            f"{', '.join(f'{u:.2f}' for u in row['steady'])} |",
             flush=True,
         )
 
 
 def _rest(args: argparse.Namespace) -> list[str]:
     out = ["--hidden", str(args.hidden), "--sync-every", str(args.sync_every), "--rounds", str(args.rounds)]
-    out += ["--step-sleep", str(args.step_sleep)]
+    out += ["--step-sleep", str(args.step_sleep), "--sync-delay", str(args.sync_delay)]
+    out += ["--eval-every", str(args.eval_every)]
     if args.rate:
         out += ["--rate", args.rate]
     if args.secret:

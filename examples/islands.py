@@ -191,6 +191,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchors-dir", default=None, help="save the anchor after each round here (round<R>.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per inner step")
     p.add_argument(
+        "--eval-every",
+        type=int,
+        default=1,
+        metavar="R",
+        help="evaluate the anchor (the log's val_loss) every R rounds (null in the others' lines)",
+    )
+    p.add_argument(
         "--die-in-exchange-at",
         type=int,
         default=None,
@@ -230,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--eager takes --sync-delay 0: its exchange already overlaps a whole period")
     if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
         p.error("give --serve-lighthouse HOST:PORT, or --island-id ID and --lighthouse HOST:PORT")
-    for name in ("steps", "sync_every", "num_fragments", "batch_size", "hidden", "min_islands"):
+    for name in ("steps", "sync_every", "num_fragments", "batch_size", "hidden", "min_islands", "eval_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -503,7 +510,7 @@ def run_island(args: argparse.Namespace) -> int:
             rejected=[{"island": r[0], "reason": r[1]} for r in rec.rejected],
             anchor_sha256=rec.anchor_sha256,
             agreed_sha256=rec.agreed_sha256,
-            val_loss=setup.val_loss(anchor),
+            val_loss=setup.val_loss(anchor) if rec.round % args.eval_every == 0 else None,
         )
         sent_before[0] = int(rec.sent_bytes)
         logging_seconds[0] += time.perf_counter() - started

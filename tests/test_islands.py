@@ -192,6 +192,7 @@ VARIANTS = {
     "low_bit": dict(aggregate="low_bit"),
     # Encoded on the wire (gathered, decoded and combined in island order).
     "sparseloco": dict(aggregate="chunked_top_k"),
+    "top_k_flat": dict(aggregate="top_k_flat"),
     # Per-island anchors: each takes its own fresh pseudo-gradient with its share of the last round.
     "eager": dict(eager=True),
     "eager_streaming": dict(eager=True, num_fragments=2),
@@ -205,6 +206,7 @@ def _maker(opts):
         "statistical_quantize_requantized": lambda: jd.statistical_quantize(2),
         "low_bit": lambda: jd.low_bit(3, 0, block_size=8),
         "chunked_top_k": lambda: jd.chunked_top_k(4, chunk=4, bits=2),
+        "top_k_flat": lambda: jd.top_k(k=10, per_leaf=False),
     }
     if "aggregate" in opts:
         make = aggregates[opts["aggregate"]]
@@ -917,4 +919,111 @@ def test_a_secret_drops_an_untagged_island_and_the_others_keep_their_rounds(vari
             assert rec.participants == (0, 1) and rec.redone <= (0 if other else 1)
             assert {r[0] for r in rec.rejected} == {2} and why in rec.rejected[0][1]
             _assert_close_to(anchor, ref[rec.step - 1])
+    assert [r.anchor_sha256 for r, _ in out[0]] == [r.anchor_sha256 for r, _ in out[1]]
+
+
+class _Announcing(islands.LocalTransport):
+    """Sets ``bound`` once its island has joined the hub."""
+
+    def __init__(self, hub, bound, secret=None):
+        super().__init__(hub, secret=secret)
+        self.bound = bound
+
+    def bind(self, *args):
+        super().bind(*args)
+        self.bound.set()
+
+
+class _TamperingOnce(islands.LocalTransport):
+    """Serves, the first time a peer heals from it, a state whose anchor is not the one its round's
+    members agreed on (every float of its optimizer state moved by 1: a corrupted source)."""
+
+    def __init__(self, hub, secret, served):
+        super().__init__(hub, secret=secret)
+        self.served = served
+
+    def bind(self, island_id, serve, expect=None):
+        def tampered():
+            state = serve()
+            if not self.served.is_set():
+                self.served.set()
+                moved = [x + 1 if np.issubdtype(x.dtype, np.floating) else x for x in state["opt_state"]]
+                state = {**state, "opt_state": moved}
+            return state
+
+        super().bind(island_id, tampered, expect)
+
+
+def test_a_healing_state_whose_anchor_is_not_the_agreed_one_is_refused_and_the_others_go_on():
+    """Island 2 starts late and heals from island 0, whose first served state does not match the digest
+    its round's members agreed on: island 2 refuses it (naming island 0 and the anchor), abstains from
+    that attempt, so islands 0 and 1 commit their round at once (not redone, no timeout waited), and
+    heals in the next round; from then on the three agree bit for bit."""
+    make_tx, steps = _maker({}), 10 * H
+    secret = b"islands-shared-secret"  # under a secret rounds gather, so a refused heal can abstain
+    hub = islands.LocalHub(min_islands=2, join_timeout=2.0, timeout=20.0)  # a quorum waits for all three
+    out, errors, served, bound = {}, {}, threading.Event(), threading.Event()
+
+    def late(i, transport):
+        _wait_until(lambda: len(out.get(0, [])) >= 2)
+        _island_thread(i, make_tx, transport, steps, out, errors=errors)
+
+    def waits_for_it(rec, p, s):  # the first two go on once island 2 is up (a loaded machine)
+        del p, s
+        if rec.round == 3:
+            assert bound.wait(60)
+
+    transports = [_TamperingOnce(hub, secret, served), hub.transport(secret=secret)]
+    _run_threads(
+        [(_island_thread, (i, make_tx, transports[i], steps, out, waits_for_it), {}) for i in (0, 1)]
+        + [(late, (2, _Announcing(hub, bound, secret=secret)), {})]
+    )
+    assert errors == {} and served.is_set(), errors
+    first = out[2][0][0]
+    assert first.healed, first
+    refusals = [r for r in first.rejected if r[0] == 0]
+    assert refusals and "anchor's SHA-256" in refusals[0][1] and "agreed on" in refusals[0][1], first
+    assert "is refused" in refusals[0][1]
+    before = [r for r, _ in out[0] if r.round < first.round]
+    assert all(r.redone == 0 and r.seconds < hub.timeout for r in before), before
+    for rnd, agreed in _agreed_by_round(out).items():
+        assert len(agreed) == 1, rnd
+    assert out[2][-1][0].round == out[0][-1][0].round == steps // H
+
+
+def test_an_island_without_the_secret_cannot_heal_nor_hold_the_others_back():
+    """An island started late with another secret refuses every healing state (its tag is wrong) and
+    abstains from every attempt until it leaves; the others commit every round without redoing one."""
+    make_tx, steps = _maker({}), 6 * H
+    secret = b"islands-shared-secret"
+    hub = islands.LocalHub(min_islands=2, join_timeout=0.5, timeout=5.0)
+    out, errors, refusals, bound = {}, {}, [], threading.Event()
+
+    class Noting(_Announcing):
+        def quorum(self, timeout):
+            try:
+                return super().quorum(timeout)
+            except islands.HealRefused as e:
+                refusals.append(str(e))
+                raise
+
+    def late(i, transport):
+        _wait_until(lambda: len(out.get(0, [])) >= 1)
+        _island_thread(i, make_tx, transport, steps, out, errors=errors, round_timeout=12.0)
+
+    def waits_for_it(rec, p, s):
+        del p, s
+        if rec.round == 2:
+            assert bound.wait(60)
+
+    _run_threads(
+        [(_island_thread, (i, make_tx, hub.transport(secret=secret), steps, out, waits_for_it), {})
+         for i in (0, 1)]
+        + [(late, (2, Noting(hub, bound, secret=b"another-secret-entirely")), {})]
+    )  # fmt: skip
+    assert isinstance(errors.get(2), islands.IslandsError) and out[2] == [], errors
+    assert refusals and all("tag is wrong" in r and "is refused" in r for r in refusals), refusals
+    for i in (0, 1):
+        assert [r.round for r, _ in out[i]] == list(range(1, steps // H + 1))
+        assert all(r.redone == 0 and r.participants == (0, 1) for r, _ in out[i])
     assert [r.anchor_sha256 for r, _ in out[0]] == [r.anchor_sha256 for r, _ in out[1]]

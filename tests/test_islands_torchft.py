@@ -428,6 +428,9 @@ print(json.dumps(out))
 """
 
 
+TIMEOUT_SCRIPT = 5.0  # tests/_islands_bad_input.py's exchange timeout
+
+
 def _script_output(cmd: list[str]) -> dict:
     """The last line a script printed, as JSON (it must exit with 0 within 120 s)."""
     r = subprocess.run(
@@ -458,146 +461,72 @@ def test_a_heal_may_take_longer_than_the_exchange_timeout():
         assert committed in out["commits0"] and committed in out["commits1"], out
 
 
-_BAD_INPUT_SCRIPT = r"""
-import http.server, io, json, os, pickle, subprocess, sys, threading, time
-import numpy as np
-
-unpicklings = []  # every unpickling in this process (torchft's included), and every torch.load
-class Counting(pickle.Unpickler):
-    def load(self):
-        unpicklings.append("Unpickler.load")
-        return super().load()
-real_loads = pickle.loads
-def loads(*a, **k):
-    unpicklings.append("pickle.loads")
-    return real_loads(*a, **k)
-pickle.Unpickler, pickle.loads = Counting, loads
-import torch
-real_load = torch.load
-def load(*a, **k):
-    unpicklings.append("torch.load")
-    return real_load(*a, **k)
-torch.load = load
-
-from jaxopt_dist import islands
-from jaxopt_dist._src.islands import gather, heal_http, wire
-from jaxopt_dist._src.islands.torchft import TorchftTransport
-
-SECRET, OTHER = b"the-islands-secret-0123", b"another-secret-entirely"
-marker = sys.argv[1]
-lighthouse = islands.start_lighthouse("127.0.0.1:0", min_islands=3, join_timeout_ms=1000)
-address = lighthouse.address().split("//")[-1]
-layouts = {-1: wire.Layout(()), 0: wire.Layout.of([np.zeros(4, np.float32)])}
-like = {0: [np.zeros(4, np.float32)]}
-ex = gather.Exchange(SECRET, layouts, lambda f, m, s: (m, None), like)
-# island 2's contribution in each round: another secret, no tag, a header that lies about its length
-BAD = ["wrong secret", "no tag", "lying length"]
-out = {}
-
-def record(i, r):
-    h = wire.Header(i, r, 0, 1.0, 7, 0, i, (1,) * 8, layout=layouts[0].tag)
-    msg = [np.full(4, float(i + 1), np.float32)]
-    if i < 2:
-        return ex.seal(h, msg)
-    case = BAD[r]
-    rec = wire.seal(h, msg, size=ex.size, secret={"wrong secret": OTHER, "no tag": None}.get(case, SECRET))
-    if case == "lying length":  # 8 bytes more than the encoding, the tag made over them
-        n = layouts[0].nbytes + 8
-        rec[wire.HEADER.size - 8 : wire.HEADER.size] = np.frombuffer(np.uint64(n).tobytes(), np.uint8)
-        body = rec[: wire.HEADER.size + n].tobytes()
-        rec[-32:] = np.frombuffer(wire.tag(SECRET, b"contribution", body[: wire.HEADER.size], body[wire.HEADER.size :]), np.uint8)
-    return rec
-
-def island(i):
-    t = TorchftTransport(address, timeout=5.0, host="127.0.0.1", secret=SECRET if i < 2 else OTHER)
-    t.bind(i, lambda: {"params": [np.ones(4, np.float32)]})
-    rows = out.setdefault(i, [])
-    while len(rows) < len(BAD):
-        r = t.rounds_committed()
-        t.quorum(60.0)
-        got = gather.combine(t.allgather(record(i, r)), ex, 0, num_slots=4)
-        rows.append({"round": r, "committed": t.commit(True), "participants": got.merged.participants,
-                     "delta": [float(v) for v in got.merged.delta[0]],
-                     "rejected": [[x.island, x.reason] for x in got.rejected]})
-    t.close()
-
-threads = [threading.Thread(target=island, args=(i,)) for i in range(3)]
-for th in threads:
-    th.start()
-for th in threads:
-    th.join(120)
-
-# Healing sources in another process, each serving one bad stream; the island refuses every one.
-class Payload:
-    def __reduce__(self):
-        return (open, (marker, "w"))
-good = heal_http.stage({"params": [np.ones(4, np.float32)]}, step=3, source=0, secret=SECRET)
-stream = b"".join(bytes(c) for c in good.chunks())
-other = heal_http.stage({"params": [np.ones(5, np.float32)]}, step=3, source=0, secret=SECRET)
-bodies = {
-    "pickle": pickle.dumps(Payload()),
-    "truncated": stream[:-6],
-    "corrupted": stream[:-1] + bytes([stream[-1] ^ 1]),
-    "other model": b"".join(bytes(c) for c in other.chunks()),
-    "wrong secret": b"".join(bytes(c) for c in heal_http.stage({"params": [np.ones(4, np.float32)]}, step=3, source=0, secret=OTHER).chunks()),
-    "no tag": b"".join(bytes(c) for c in heal_http.stage({"params": [np.ones(4, np.float32)]}, step=3, source=0).chunks()),
+_REASONS = {
+    "contribution: wrong secret": "its tag is wrong",
+    "contribution: no tag": "carries no tag",
+    "contribution: lying length": "header gives a payload of",
+    "pickle": "(a pickle)",
+    "truncated": "the stream ended",
+    "corrupted": "does not match its SHA-256",
+    "other model": "does not fit this island's state",
+    "anchor": "the digest its round's members agreed on",
+    "heal: wrong secret": "its tag is wrong",
+    "heal: no tag": "carries no tag",
 }
-SERVE = '''
-import http.server, sys
-body = sys.stdin.buffer.read()
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.send_header("Content-Length", str(len(body) + 64)); self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a): pass
-s = http.server.HTTPServer(("127.0.0.1", 0), H)
-print(s.server_address[1], flush=True)
-s.serve_forever()
-'''
-expect = heal_http.Expected([("params/0", "float32", (4,))])
-heals = {}
-for case, body in bodies.items():
-    p = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    p.stdin.write(body); p.stdin.close()
-    port = int(p.stdout.readline())
-    try:
-        heal_http.fetch(f"http://127.0.0.1:{port}/heal/3", deadline=time.monotonic() + 10, secret=SECRET, expect=expect)
-        heals[case] = "loaded"
-    except islands.HealRefused as e:
-        heals[case] = str(e)
-    finally:
-        p.kill()
-print(json.dumps({"rounds": {str(k): v for k, v in out.items()}, "heals": heals, "unpicklings": unpicklings,
-                  "marker": os.path.exists(marker)}))
-"""
 
 
-def test_bad_contributions_and_healing_states_are_refused_losing_no_round(tmp_path):
-    """Process-level: three islands over torchft under a secret, island 2 sending in turn a contribution
-    under another secret, one without a tag and one whose header lies about its length: islands 0 and 1
-    drop it (naming island 2 and the reason) and commit every round with each other's values. Healing
-    sources in another process serving a pickle (that would create a file), a truncated stream, a
-    corrupted array, another model's state, and states under another secret or none: each refused with
-    its reason. Nothing in the process is unpickled (the unpicklers and torch.load are counted)."""
-    marker = tmp_path / "pwned"
-    out = _script_output([sys.executable, "-c", _BAD_INPUT_SCRIPT, str(marker)])
-    reasons = ["its tag is wrong", "carries no tag", "header gives a payload of"]
+@pytest.fixture(scope="module")
+def bad_input(tmp_path_factory):
+    """Every case of tests/_islands_bad_input.py, run once in one process (each case with its own
+    lighthouse and islands), as {case: its JSON line}."""
+    directory = tmp_path_factory.mktemp("bad_input")
+    script = os.path.join(os.path.dirname(__file__), "_islands_bad_input.py")
+    r = subprocess.run(
+        [sys.executable, script, str(directory), *_REASONS],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    return {row["case"]: {**row, "directory": str(directory)} for row in rows}
+
+
+def _case(bad_input, case):
+    got = bad_input.get(case)
+    assert got is not None and "error" not in got, got
+    assert got["unpicklings"] == [] and not got["marker"], got  # nothing was unpickled, no file made
+    assert glob.glob(os.path.join(got["directory"], "pwned*")) == []
+    return got["rounds"]
+
+
+@pytest.mark.parametrize("case", [c for c in _REASONS if c.startswith("contribution")])
+def test_a_bad_contribution_is_dropped_losing_no_round(bad_input, case):
+    """Islands 0 and 1 (the library's round protocol over torchft, under a secret) join with island 2,
+    which then sends a record under another secret, one without a tag, or one whose header lies about
+    its length: both drop it, naming island 2 and the reason, and commit the round at once with each
+    other's values."""
+    rounds = _case(bad_input, case)
     for i in ("0", "1"):
-        rows = out["rounds"][i]
-        assert [row["committed"] for row in rows] == [True] * 3, rows
-        for row, why in zip(rows, reasons):
-            assert row["participants"] == [0, 1] and row["delta"] == [1.5] * 4, row
-            assert (
-                len(row["rejected"]) == 1 and row["rejected"][0][0] == 2 and why in row["rejected"][0][1]
-            ), row
-    heals = out["heals"]
-    for case, why in {
-        "pickle": "(a pickle)",
-        "truncated": "the stream ended",
-        "corrupted": "does not match its SHA-256",
-        "other model": "does not fit this island's state",
-        "wrong secret": "its tag is wrong",
-        "no tag": "carries no tag",
-    }.items():
-        assert "is refused" in heals[case] and why in heals[case], (case, heals[case])
-    assert out["unpicklings"] == [] and not out["marker"] and not marker.exists(), out
+        join, bad = rounds[i]
+        assert join["participants"] == [0, 1, 2] and join["rejected"] == [], join
+        assert bad["participants"] == [0, 1] and bad["delta"] == [1.5] * 4 and bad["redone"] == 0, bad
+        assert [r[0] for r in bad["rejected"]] == [2] and _REASONS[case] in bad["rejected"][0][1], bad
+
+
+@pytest.mark.parametrize("case", [c for c in _REASONS if not c.startswith("contribution")])
+def test_a_bad_healing_state_is_refused_losing_no_round(bad_input, case):
+    """Island 1 falls behind and heals from island 0, whose healing server first answers with a pickle
+    (one that would create a file), a truncated stream, a corrupted array, another model's state, a
+    state whose anchor is not the digest its round agreed on, or a state under another secret or none.
+    Island 1 refuses it (HealRefused, naming the source and the reason), abstains from the attempt, so
+    island 0 commits that round at once, alone, and island 1 heals in the next round."""
+    rounds = _case(bad_input, case)
+    source, healer = rounds["0"], rounds["1"]
+    assert [r["participants"] for r in source] == [[0, 1], [0], [0, 1]], source
+    assert all(r["redone"] == 0 for r in source) and source[1]["seconds"] < TIMEOUT_SCRIPT, source
+    heal = healer[-1]
+    assert heal["healed"] and heal["participants"] == [0, 1] and heal["redone"] >= 1, heal
+    refused = heal["rejected"][0][1]
+    assert "is refused" in refused and "http://127.0.0.1:" in refused and _REASONS[case] in refused, heal

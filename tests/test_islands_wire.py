@@ -22,6 +22,8 @@ def _aggregates():
         "statistical_quantize": lambda: base.two_stage_of(jd.statistical_quantize(2)).first,
         "chunked_top_k_2bit": lambda: jd.chunked_top_k(4, chunk=8, bits=2),
         "top_k": lambda: jd.top_k(k=5),
+        "top_k_flat": lambda: jd.top_k(k=7, per_leaf=False),
+        "top_k_flat_dense": lambda: jd.top_k(k=sum(x.size for x in _LIKE), per_leaf=False),
         "random_k": lambda: jd.random_k(k=5),
     }
 
@@ -61,7 +63,9 @@ def test_a_decoded_message_is_the_update_on_one_worker_bit_for_bit(name):
         state = jax.tree.map(lambda a: a[0], new_state)
 
 
-@pytest.mark.parametrize("name", ["statistical_quantize", "chunked_top_k_2bit", "top_k", "random_k"])
+@pytest.mark.parametrize(
+    "name", ["statistical_quantize", "chunked_top_k_2bit", "top_k", "top_k_flat", "random_k"]
+)
 def test_gathered_messages_combined_in_island_order_are_the_in_process_mean(name):
     tx = _aggregates()[name]()
     w = base.wire_of(tx)
@@ -85,12 +89,30 @@ def test_encoded_messages_are_smaller_than_float32():
         message = jax.jit(base.wire_of(tx).encode)([u[0] for u in _updates(0, 1)], tx.init(_LIKE))
         sizes[name] = sum(np.asarray(m).nbytes for m in message)
     dense = 4 * sum(x.size for x in _LIKE)
+    assert sizes.pop("top_k_flat_dense") == dense  # k = every entry: the flat vector itself
     assert all(v < dense for v in sizes.values()), (sizes, dense)
     assert sizes["low_bit"] <= dense / 5
 
 
 def test_a_median_clipped_chunked_top_k_names_a_merge_islands_do_not_make():
     assert base.wire_of(jd.chunked_top_k(4, chunk=8, clip_to_median_norm=True)).merge != "chosen_mean"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jd.diloco(
+            jd.sgd(0.1), sync_every=2, aggregate=jd.chunked_top_k(4, chunk=8, clip_to_median_norm=True)
+        ),
+        lambda: jd.sparseloco(jd.sgd(0.1), sync_every=2, topk=4, chunk=8, clip_to_median_norm=True),
+    ],
+)
+def test_an_island_refuses_an_aggregate_whose_merge_it_does_not_make(make):
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    loss = lambda p, b: jnp.sum(p["w"] * b)  # noqa: E731
+    step = jd.data_parallel_step(loss, make(), mesh=mesh, per_worker_params=True)
+    with pytest.raises(ValueError, match="median_clipped_chosen_mean.*clip_to_median_norm=False"):
+        islands.island(step, islands.LocalHub().transport(), island_id=0)
 
 
 # ------------------------------------------------------------------ records

@@ -309,6 +309,46 @@ def _top_k_compressor(
     return ef.Compressor(init, compress, codec, axis_name=axis_name, name="top_k", returns_residual=True)
 
 
+def _flat_codec(plan_of: Callable[[int], int | None]) -> ef.Codec:
+    """Codec of top-k over the flattened tree (``per_leaf=False``): the message is the chosen entries'
+    values and int32 indices in the tree's common dtype, ``(1, k)`` each, or the whole flat vector
+    ``(1, total)`` where ``plan_of(total)`` is None (every entry sent)."""
+
+    def flat(leaves):
+        dtype = jnp.result_type(*leaves)
+        return jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])[None]
+
+    def encode(updates, state):
+        leaves, treedef = jax.tree.flatten(updates)
+        if not leaves:
+            return [], updates, state
+        x = flat(leaves)
+        p = plan_of(x.shape[1])
+        if p is None:
+            return [x], updates, state
+        chosen = _largest(x, p)
+        return (
+            list(chosen),
+            base.split_flat(_scatter(x.shape[1], chosen[1], chosen[0])[0], leaves, treedef),
+            state,
+        )
+
+    def decode(message, like, state):
+        del state
+        leaves, treedef = jax.tree.flatten(like)
+        if not leaves:
+            return like
+        total = sum(base.leaf_sizes(like))
+        if plan_of(total) is None:
+            (x,) = message
+        else:
+            values, indices = message
+            x = _scatter(total, jnp.asarray(indices), jnp.asarray(values))
+        return base.split_flat(jnp.asarray(x)[0], leaves, treedef)
+
+    return ef.Codec(encode, decode)
+
+
 def _sparse_codec(plan_of: Callable[[_Layout], list[int | None]], pick: Callable[..., Any]) -> ef.Codec:
     """Codec of a per-leaf sparsifier: ``pick(rows, k_l)`` gives ``(values, int32 indices)`` of
     stacked leaves, or None for leaves sent dense; the message holds, per group of leaves of
@@ -434,7 +474,11 @@ def top_k(
     axis_name = base.validate_axis_name(axis_name)
     base.check_bool(error_feedback, "error_feedback")
     base.check_bool(per_leaf, "per_leaf")
-    return ef.error_feedback(_top_k_compressor(k, density, per_leaf, axis_name), enabled=error_feedback)
+    tx = ef.error_feedback(_top_k_compressor(k, density, per_leaf, axis_name), enabled=error_feedback)
+    if not per_leaf:  # its message, for merges made elsewhere (islands); not a codec peers gossip
+        codec = _flat_codec(lambda total: _flat_plan(total, k, density, "top_k"))
+        base.declare_wire(tx, ef.codec_wire(codec, enabled=error_feedback))
+    return tx
 
 
 # ----------------------------------------------------------------------------

@@ -14,12 +14,13 @@ The tag is HMAC-SHA256 under the islands' shared secret over the header (and so
 over every array's digest); 32 zero bytes without a secret. A receiver checks, in
 this order, and refuses the state at the first failure (:class:`HealRefused`,
 naming the source and the reason), before any of it is used: the magic, the
-header's size, the tag (when it holds a secret), the header's form, the arrays
-against its own (:class:`Expected`: paths, dtypes and shapes), each array's
-digest as its bytes arrive (read in chunks into arrays allocated from the
-header), then :attr:`Expected.verify` (an island: its anchor's digest against the
-one its source's round agreed on). Nothing received is ever unpickled or
-evaluated, on either side.
+header's size, the tag (when it holds a secret), the header's form,
+:attr:`Expected.first` (an island: the source's settings), the arrays against
+its own (:class:`Expected`: paths, dtypes and shapes), each array's digest
+(its bytes read in chunks into arrays allocated from the header and hashed
+as they arrive, in a thread beside the reads), then :attr:`Expected.verify`
+(an island: its anchor's digest against the one its source's round agreed
+on). Nothing received is ever unpickled or evaluated, on either side.
 
 :class:`HealServer` listens on one address (the island's) and serves one staged
 state, under the step it was staged for, streamed in chunks; :func:`fetch` reads
@@ -34,6 +35,7 @@ import hashlib
 import http.client
 import http.server
 import json
+import queue
 import socket
 import struct
 import threading
@@ -64,11 +66,16 @@ class Expected(NamedTuple):
         under torchft's ``Manager``, which wraps it); no array lies elsewhere.
       verify: called with the island's part once every array has arrived and
         matched its digest; raises ``ValueError`` saying why it refuses it.
+      first: called with the island's part before any array is read or
+        compared (its plain values, None in place of each array): e.g. the
+        source's settings, which may refuse the island itself (an error
+        other than ``ValueError`` passes through unchanged).
     """
 
     arrays: list[tuple[str, str, tuple[int, ...]]]
     prefix: str = ""
     verify: Callable[[Any], None] | None = None
+    first: Callable[[Any], None] | None = None
 
 
 class Staged(NamedTuple):
@@ -132,7 +139,7 @@ def _skeleton(x: Any, arrays: list[np.ndarray], paths: list[str], path: str) -> 
     return {"a": len(arrays) - 1}
 
 
-def _rebuild(skeleton: Any, arrays: list[np.ndarray]) -> Any:
+def _rebuild(skeleton: Any, arrays: list[Any]) -> Any:
     ((kind, body),) = skeleton.items()
     if kind == "d":
         return {str(k): _rebuild(v, arrays) for k, v in body.items()}
@@ -186,8 +193,10 @@ def read(
 
 
 def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | None, limit: int | None) -> Any:
+    source: int | None = None  # the serving island, once its header names it
+
     def refuse(reason: str) -> HealRefused:
-        return HealRefused(f"the healing state from {where} is refused: {reason}")
+        return HealRefused(f"the healing state from {where} is refused: {reason}", source)
 
     def take(n: int, what: str) -> bytes:
         buf = bytearray(n)
@@ -206,6 +215,7 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
     header_bytes = take(n_header, "the header")
     problem = tag_problem(secret, take(TAG_BYTES, "the tag"), tag(secret, b"heal", header_bytes))
     if problem is not None:
+        source = _claimed_source(header_bytes)  # unauthenticated: named, never trusted
         raise refuse(problem)
     try:
         header = json.loads(header_bytes)
@@ -214,9 +224,14 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
         specs = [_spec(s) for s in header["arrays"]]
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise refuse(f"its header is malformed: {e}") from e
-    source = header.get("source")
+    source = _claimed_source(header_bytes)
     if source is not None:
         where = f"{where} (island {source})"
+    if expect is not None and expect.first is not None:
+        try:
+            expect.first(_part(_rebuild(header["tree"], [None] * len(specs)), expect.prefix))
+        except (RecursionError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise refuse(str(e)) from e
     if expect is not None:
         mismatch = _mismatch([(p, d.name, s) for p, d, s, _ in specs], expect)
         if mismatch:
@@ -224,16 +239,18 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
     total = sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for _, d, s, _ in specs)
     if limit is not None and total > limit:
         raise refuse(f"it offers {total} bytes of arrays; at most {limit} are expected")
-    arrays = []
-    for path, dtype, shape, digest in specs:
-        a = np.empty(shape, dtype)
-        h = hashlib.sha256()
-        got = _fill(_bytes(a), src, h)
-        if got < a.nbytes:
-            raise refuse(f"the stream ended after {got} of the {a.nbytes} bytes of array {path!r}")
+    arrays, hashes = [], []
+    with _Hasher() as hasher:  # each chunk hashed in a thread beside the next chunk's read
+        for path, dtype, shape, _ in specs:
+            a = np.empty(shape, dtype)
+            hashes.append(hashlib.sha256())
+            got = _fill(_bytes(a), src, hasher.feeding(hashes[-1]))
+            if got < a.nbytes:
+                raise refuse(f"the stream ended after {got} of the {a.nbytes} bytes of array {path!r}")
+            arrays.append(a)
+    for (path, _, _, digest), h in zip(specs, hashes):
         if h.hexdigest() != digest:
             raise refuse(f"array {path!r} does not match its SHA-256 in the header (corrupted on the way)")
-        arrays.append(a)
     try:
         tree = _rebuild(header["tree"], arrays)
         if expect is not None and expect.verify is not None:
@@ -241,6 +258,15 @@ def _read(src: _Stream, where: str, secret: bytes | None, expect: Expected | Non
     except (RecursionError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise refuse(str(e)) from e
     return tree
+
+
+def _claimed_source(header: bytes) -> int | None:
+    """The island a header says it comes from (None where it does not say, or is not JSON)."""
+    try:
+        source = json.loads(header).get("source")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return source if isinstance(source, int) and not isinstance(source, bool) else None
 
 
 def _spec(s: Any) -> tuple[str, np.dtype, tuple[int, ...], str]:
@@ -269,6 +295,39 @@ def _part(tree: Any, prefix: str) -> Any:
     for key in [k for k in prefix.split("/") if k]:
         tree = tree[int(key)] if isinstance(tree, list) else tree[key]
     return tree
+
+
+class _Feed(NamedTuple):
+    h: Any
+    queue: queue.SimpleQueue
+
+    def update(self, chunk: memoryview) -> None:
+        self.queue.put((self.h, chunk))
+
+
+class _Hasher:
+    """SHA-256 updates run in a thread of their own (hashlib releases the GIL on large buffers), so that
+    hashing one chunk overlaps reading the next; leaving the ``with`` block waits for every update."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="island-heal-hash", daemon=True)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            item[0].update(item[1])
+
+    def feeding(self, h: Any) -> _Feed:
+        """An object whose ``update(chunk)`` hands ``chunk`` to ``h`` in the thread."""
+        return _Feed(h, self._queue)
+
+    def __enter__(self) -> _Hasher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._queue.put(None)
+        self._thread.join()
 
 
 def _fill(view: memoryview, src: _Stream, h: Any = None) -> int:

@@ -56,9 +56,11 @@ class SyncRecord:
       exchange_seconds: the longest all-reduce in the round.
       vote_seconds: the longest commit vote in the round.
       backoff_seconds: the pauses between the round's attempts, together.
-      rejected: the contributions this island dropped in the round, as
-        ``(island id or None, reason)`` (a tag missing or wrong under the
-        shared secret, a header that lies about its length).
+      rejected: the contributions this island dropped in the round, and the
+        healing states it refused in it, as ``(island id or None, reason)``
+        (a tag missing or wrong under the shared secret, a header that lies
+        about its length; a healing state that fails a check of
+        :mod:`.heal_http`, its source's claimed id where it gives one).
       sent_bytes: the bytes this island has put on the wire so far, as its
         transport counts them (0 where it counts none).
     """
@@ -169,7 +171,7 @@ class Island:
         if warmup_batch is not None:
             self._warm_up(params, opt_state, warmup_batch)
         settings = protocol.Settings.of(self.exchange, self.rule, params, opt_state)
-        self._healing = healing.Healing(self.island_id, settings, mask.aggregate_states)
+        self._healing = healing.Healing(self.island_id, settings, mask.aggregate_states, self._agreed)
         self._protocol = protocol.RoundProtocol(
             self.transport,
             island_id=self.island_id,
@@ -179,10 +181,10 @@ class Island:
             settings=settings,
             gather=self._gather(opt_state),
         )
-        self._healing.keep(params, opt_state)
         self._digest = self._agreed(opt_state)
+        self._healing.keep(params, opt_state, self._digest)
         if self._lead:
-            self.transport.bind(self.island_id, self._healing.serve)
+            self.transport.bind(self.island_id, self._healing.serve, self._healing.expected())
         join = protocol.Contribution(None, [], 0.0, self._digest)
         params, opt_state = self._land(self._round_now(join, params, opt_state), params, opt_state)
         return params, self._remember(opt_state)
@@ -276,7 +278,7 @@ class Island:
         The round's contribution (the aggregate, the tokens since the last launch, the digest) is fixed
         here, in the main thread."""
         assert self._programs is not None and self._healing is not None and self._protocol is not None
-        self._healing.keep(params, opt_state)
+        self._healing.keep(params, opt_state, self._digest)
         leaves, self._own_agg = self._programs.contribution(f, opt_state)
         c = protocol.Contribution(f, leaves, self._steps * self.tokens_per_step, self._digest)
         if self._encoded:  # what the aggregate sends, and the state that reads the others' messages
@@ -411,6 +413,14 @@ def _check_step(step: Any) -> None:
             "an Island cannot run a data_parallel_step built with donate=True: a peer may heal from the "
             "state a round launched with while the next steps run, and a donating step consumes it. "
             "Build the step with donate=False."
+        )
+    wire_merge = getattr(external.wire, "merge", "mean")
+    if wire_merge not in ("mean", "chosen_mean"):
+        raise ValueError(
+            f"an Island cannot run this diloco's aggregate: it combines the workers' messages by "
+            f"{wire_merge!r}, which islands do not make (chunked_top_k or sparseloco with "
+            "clip_to_median_norm=True clips each worker by the median norm of all of them); a mean of "
+            "each island's result would be another number. Use clip_to_median_norm=False across islands."
         )
     n = layout.mesh_axis_size(step.mesh, step.axis_name)
     if n != 1:

@@ -14,6 +14,7 @@ vote catches.
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import threading
 import time
@@ -22,8 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxopt_dist._src.islands import wire
-from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandsError, Transport, ring_bytes
+from jaxopt_dist._src.islands import heal_http, wire
+from jaxopt_dist._src.islands.transport import (
+    ExchangeError,
+    Healed,
+    HealRefused,
+    IslandsError,
+    Transport,
+    ring_bytes,
+)
 
 
 class IslandKilled(BaseException):
@@ -232,17 +240,22 @@ class LocalTransport(Transport):
         self.committed = 0
         self.killed = False
         self._serve: Callable[[], Any] | None = None
+        self._expect: heal_http.Expected | None = None
         self._round: _Round | None = None
+        self._refused = False  # this attempt's heal was refused
 
     @property
     def exchange_seconds(self) -> float:
         return 2 * self.hub.timeout
 
-    def bind(self, island_id: int, serve: Callable[[], Any]) -> None:
-        self.island_id, self._serve = island_id, serve
+    def bind(self, island_id: int, serve: Callable[[], Any], expect: Any = None) -> None:
+        self.island_id, self._serve, self._expect = island_id, serve, expect
         self.key = self.hub.join(self)
 
     def quorum(self, timeout: float) -> Healed | None:
+        """The next quorum; a heal crosses as the healing stream (:mod:`.heal_http`, in memory), tagged
+        under the source's secret and checked as over HTTP (raises :class:`HealRefused`)."""
+        self._refused = False
         r = self.hub.quorum(self, timeout)
         self._round = r
         if self.committed >= r.max_step:
@@ -250,7 +263,19 @@ class LocalTransport(Transport):
         start = time.monotonic()
         source = self.hub.source_of(r)
         assert source._serve is not None
-        state = source._serve()
+        staged = heal_http.stage(
+            source._serve(), step=r.max_step, source=source.island_id, secret=source.secret
+        )
+        try:
+            state = heal_http.read(
+                io.BytesIO(b"".join(bytes(c) for c in staged.chunks())),
+                where="the in-process hub",
+                secret=self.secret,
+                expect=self._expect,
+            )
+        except HealRefused:
+            self._refused = True
+            raise
         self.committed = r.max_step
         return Healed(state, time.monotonic() - start)
 
@@ -270,7 +295,7 @@ class LocalTransport(Transport):
 
     def commit(self, ok: bool) -> bool:
         assert self._round is not None, "commit before quorum"
-        agreed = self.hub.vote(self, self._round, ok)
+        agreed = self.hub.vote(self, self._round, ok) and not self._refused  # refused: it abstained
         if agreed:
             self.committed += 1
         return agreed

@@ -10,7 +10,11 @@ island, attempts of::
     verdict = checks of merged           # ids, settings, rounds, anchors
     transport.commit(verdict.ok)         # every member's vote; False for all if one fails
 
-until an attempt commits. Between attempts an island pauses (backoff with
+until an attempt commits. A healing state the transport refuses
+(:class:`HealRefused`) is never loaded: where the round gathers, the island
+then sends an abstaining record (weight 0, no payload) and votes with the
+others, who commit the attempt without it, and it heals again in its next
+quorum; where it all-reduces, the attempt fails. Between attempts an island pauses (backoff with
 jitter); the whole round, quorum and heal included, ends within
 ``round_timeout``. The checks, every member reading the same summed buffer:
 
@@ -43,7 +47,14 @@ import jax
 import numpy as np
 
 from jaxopt_dist._src.islands import gather, merge, wire
-from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandRefused, IslandsError, Transport
+from jaxopt_dist._src.islands.transport import (
+    ExchangeError,
+    Healed,
+    HealRefused,
+    IslandRefused,
+    IslandsError,
+    Transport,
+)
 
 _log = logging.getLogger("jaxopt_dist.islands")
 
@@ -245,11 +256,16 @@ class RoundProtocol:
         refuse it). Raises :class:`IslandsError` (having left) when the round cannot commit in time."""
         start = time.monotonic()
         deadline = start + self.round_timeout
-        healed, waits, rejected = None, Waits(), []
+        healed, waits, rejected, refusals = None, Waits(), [], []
         for attempt in range(2**31):
-            verdict, merged = Verdict(False), None
+            verdict, merged, abstained = Verdict(False), None, False
             try:
-                got = self._quorum(deadline, waits)
+                try:
+                    got = self._quorum(deadline, waits)
+                except HealRefused as e:  # refused by the transport: nothing of it was loaded
+                    refusals.append(self._refusal(e))
+                    abstained = self._abstain(waits)
+                    raise
                 if got is not None:
                     adopted = adopt(got)
                     healed, c = adopted.trees, adopted.contribution
@@ -261,12 +277,12 @@ class RoundProtocol:
                 self.transport.close()
                 raise
             with waits.timed("vote"):
-                committed = self.transport.commit(verdict.ok)
+                committed = self.transport.commit(verdict.ok or abstained)
             if committed and merged is not None:
                 rounds = self.transport.rounds_committed() - 1
                 frag = -1 if c.fragment is None else c.fragment
                 seconds = time.monotonic() - start
-                return Outcome(frag, merged, healed, rounds, attempt, seconds, waits, rejected)
+                return Outcome(frag, merged, healed, rounds, attempt, seconds, waits, refusals + rejected)
             if verdict.leave is not None:
                 self.transport.close()
                 raise verdict.leave
@@ -339,6 +355,36 @@ class RoundProtocol:
                 "island %d dropped a contribution from island %s: %s", self.island_id, r.island, r.reason
             )
         return got.merged, got.rejected
+
+    def _refusal(self, e: HealRefused) -> wire.Rejected:
+        """A refused healing state, as the round's record lists it (its source, if known, and why)."""
+        _log.warning("island %d refused a healing state: %s", self.island_id, e)
+        return wire.Rejected(e.source, str(e))
+
+    def _abstain(self, waits: Waits) -> bool:
+        """After a refused heal, where the round gathers: an abstaining record in the attempt's exchange
+        (weight 0, no payload), so that the others' exchange and vote go on at once without this
+        island, which heals again in its next quorum. False where the round all-reduces (an island
+        that cannot say which fragment the round holds cannot size its buffer: the attempt fails)."""
+        if self.gather is None:
+            return False
+        header = wire.Header(
+            island=self.island_id,
+            round=self.transport.rounds_committed(),
+            fragment=-1,
+            weight=0.0,
+            anchor=0,
+            joined=self.joined or 0,
+            nonce=self.nonce,
+            settings=tuple(int(v) for v in self.settings),
+            abstains=True,
+        )
+        try:
+            with waits.timed("exchange"):
+                self.transport.allgather(self.gather.seal(header, []))
+        except ExchangeError:
+            return False
+        return True
 
     def _fall_behind(self, reason: str) -> None:
         try:

@@ -32,7 +32,15 @@ from typing import Any
 import numpy as np
 
 from jaxopt_dist._src.islands import heal_http, wire
-from jaxopt_dist._src.islands.transport import ExchangeError, Healed, IslandsError, Transport, ring_bytes
+from jaxopt_dist._src.islands.transport import (
+    ExchangeError,
+    Healed,
+    HealRefused,
+    IslandRefused,
+    IslandsError,
+    Transport,
+    ring_bytes,
+)
 
 
 @dataclasses.dataclass
@@ -79,7 +87,7 @@ class TorchftTransport(Transport):
     def exchange_seconds(self) -> float:
         return 2 * self.timeout  # the all-reduce, then the vote, each within the process group's timeout
 
-    def bind(self, island_id: int, serve: Callable[[], Any]) -> None:
+    def bind(self, island_id: int, serve: Callable[[], Any], expect: Any = None) -> None:
         torch = _optional("torch")
         dist = _optional("torch.distributed")
         Manager = _optional("torchft.manager").Manager
@@ -94,7 +102,9 @@ class TorchftTransport(Transport):
         )
         seconds = timedelta(seconds=self.timeout)
         self._pg = _bound_gloo(host, seconds)
-        self._healing = _healing_transport(host, self.heal_timeout, island_id, self.secret)
+        if expect is not None:  # torchft's Manager serves the island's state under "user/default"
+            expect = expect._replace(prefix="user/default/")
+        self._healing = _healing_transport(host, self.heal_timeout, island_id, self.secret, expect)
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=self._received_state,
@@ -135,6 +145,7 @@ class TorchftTransport(Transport):
         deadline = start + min(self.quorum_timeout, timeout)
         if self._healing is not None:
             self._healing.deadline = start + min(self.heal_timeout, timeout)
+            self._healing.refused = None
         while True:
             wait = min(self.requery, max(deadline - time.monotonic(), 0.001))
             try:
@@ -147,6 +158,8 @@ class TorchftTransport(Transport):
                         f"no quorum of islands within {min(self.quorum_timeout, timeout):g} s: {e}"
                     ) from e
         if self._manager.errored():
+            if self._refused() is not None:  # the heal was refused: the island may still abstain
+                raise self._refused()
             raise ExchangeError(f"the quorum failed: {self._manager.errored()}")
         received, self._received = self._received, None
         if received is None or self._manager.current_step() == before:
@@ -169,7 +182,7 @@ class TorchftTransport(Transport):
         to the ``Manager`` as an all-reduce's is, so that the round does not commit."""
         torch = _optional("torch")
         self._issued = True
-        if self._manager.errored():
+        if self._manager.errored() and self._refused() is None:  # (a refused heal: it abstains)
             raise ExchangeError(f"the quorum failed: {self._manager.errored()}")
         n = int(self._manager.num_participants())
         mine = torch.from_numpy(np.ascontiguousarray(record, np.uint8))
@@ -188,14 +201,21 @@ class TorchftTransport(Transport):
         """The vote: an all-reduce of each member's failure (0 or 1) on the round's process group; the
         round commits when its sum is 0. A member that issued no all-reduce this attempt (its quorum
         failed) does not vote, so that no member pairs its vote with another's exchange; the others'
-        vote then fails within the timeout."""
-        agreed = self._issued and self._vote(ok and not self._manager.errored())
+        vote then fails within the timeout. A member whose heal was refused, having exchanged an
+        abstaining record, votes ``ok`` for the others and does not commit itself (torchft's
+        ``Manager`` holds the refusal as its error)."""
+        abstains = isinstance(self._refused(), HealRefused)  # its only error: the refused heal
+        agreed = self._issued and self._vote(ok and (abstains or not self._manager.errored()))
         if not agreed:
             self._manager.report_error(RuntimeError("not every member of the round voted to commit"))
         committed = bool(self._manager.should_commit())
         if not committed:  # rebuild the process group at the next quorum, even if its id comes back the same
             self._manager._quorum_id = -1  # (a restarted lighthouse counts quorum ids from 0 again)
         return committed
+
+    def _refused(self) -> Any:
+        """Why this attempt's heal was refused (:class:`HealRefused`, or :class:`IslandRefused`: settings), or None."""
+        return None if self._healing is None else self._healing.refused
 
     def sent_bytes(self) -> int:
         """The exchanges' and votes' bytes this island sent (a ring's: ``(n - 1) * record`` for an
@@ -276,10 +296,14 @@ def _bound_gloo(host: str, timeout: timedelta) -> Any:
     return BoundGloo(timeout=timeout)
 
 
-def _healing_transport(host: str, heal_timeout: float, island_id: int, secret: bytes | None) -> Any:
+def _healing_transport(
+    host: str, heal_timeout: float, island_id: int, secret: bytes | None, expect: Any
+) -> Any:
     """torchft's ``CheckpointTransport`` over :class:`~.heal_http.HealServer` on ``host``: no pickle, and
     a heal bounded by ``heal_timeout`` (and the round's deadline), not by the exchange's timeout; its
-    responses carry the tag of ``secret`` and it accepts only those that do."""
+    responses carry the tag of ``secret`` and it accepts only those that do and that fit ``expect``
+    (a :class:`~.heal_http.Expected`, or None). A refusal is kept in ``refused`` (torchft's
+    ``Manager`` reports the error it raises as a failed quorum)."""
     CheckpointTransport = _optional("torchft.checkpointing.transport").CheckpointTransport
 
     class Healing(CheckpointTransport):
@@ -289,6 +313,7 @@ def _healing_transport(host: str, heal_timeout: float, island_id: int, secret: b
             )
             self.deadline = time.monotonic() + heal_timeout
             self.seconds = 0.0
+            self.refused: HealRefused | IslandRefused | None = None
 
         def metadata(self) -> str:
             return self.server.url
@@ -305,7 +330,13 @@ def _healing_transport(host: str, heal_timeout: float, island_id: int, secret: b
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any) -> Any:
             del src_rank, timeout
             start = time.monotonic()
-            state = heal_http.fetch(f"{metadata}{step}", deadline=self.deadline, secret=secret)
+            try:
+                state = heal_http.fetch(
+                    f"{metadata}{step}", deadline=self.deadline, secret=secret, expect=expect
+                )
+            except (HealRefused, IslandRefused) as e:  # torchft reports it as a failed quorum
+                self.refused = e
+                raise
             self.seconds = time.monotonic() - start
             return state
 

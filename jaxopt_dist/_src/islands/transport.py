@@ -8,8 +8,9 @@ A round, as :mod:`.protocol` runs it on every island (one attempt)::
     if transport.commit(ok): ...          # every member's exchange succeeded (a vote)
 
 An attempt that does not commit is run again, after a pause, among a new
-quorum. A heal that fails or is refused (:class:`HealRefused`) fails the
-attempt like a failed exchange. :class:`~.local.LocalHub` implements the
+quorum. A heal that fails fails the attempt like a failed exchange; one that
+is refused (:class:`HealRefused`) lets the island abstain from the attempt
+where the round gathers (see :meth:`Transport.commit`). :class:`~.local.LocalHub` implements the
 interface for islands that are threads of one process (no torch needed);
 :mod:`.torchft` between processes and hosts.
 """
@@ -37,7 +38,17 @@ class ExchangeError(RuntimeError):
 
 class HealRefused(ExchangeError):
     """A healing state was refused on arrival (a bad tag, digest, structure or anchor): the island loads
-    nothing of it, and the attempt fails as a failed exchange does."""
+    nothing of it. Where the round gathers, the island takes part in the attempt's exchange abstaining
+    (the others commit without it) and heals in the next round; elsewhere the attempt fails as a failed
+    exchange does.
+
+    Attributes:
+      source: the island that served the state, where known (None otherwise).
+    """
+
+    def __init__(self, message: str, source: int | None = None):
+        super().__init__(message)
+        self.source = source
 
 
 class Healed(NamedTuple):
@@ -69,10 +80,12 @@ class Transport(abc.ABC):
         """The longest an all-reduce and the commit vote of one attempt may take together (seconds)."""
 
     @abc.abstractmethod
-    def bind(self, island_id: int, serve: Callable[[], Any]) -> None:
+    def bind(self, island_id: int, serve: Callable[[], Any], expect: Any = None) -> None:
         """Joins as ``island_id``; ``serve()`` gives the healing state a lagging peer takes from this island.
 
         ``serve`` is called from the transport's own threads, whenever a peer heals from this island.
+        ``expect`` (a :class:`~.heal_http.Expected`, or None) is what a healing state this island
+        receives must be: the transport refuses any other (:class:`HealRefused`) before it is used.
         """
 
     @abc.abstractmethod
@@ -107,7 +120,11 @@ class Transport(abc.ABC):
 
         A member votes False when its exchange failed or its checks of what
         it received did not pass; a vote that cannot complete (a member
-        died) is False. True advances the committed-round count.
+        died) is False. True advances the committed-round count. A member
+        whose heal was refused in this attempt (its ``quorum`` raised
+        :class:`HealRefused`) took part abstaining: its ``ok`` lets the
+        others commit, and it returns False itself (its count stays behind,
+        so its next quorum heals it again).
         """
 
     def sent_bytes(self) -> int:
