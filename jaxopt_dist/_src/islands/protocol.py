@@ -5,7 +5,9 @@ island, attempts of::
 
     healed = transport.quorum(timeout)   # a lagging island heals here (weight 0)
     merged = unpack(transport.allreduce(pack(...)))
-    # or, for an encoded aggregate or under a shared secret (:mod:`.gather`):
+    # where the sum is not finite, at once, to find and drop the island that sent a NaN or an infinity:
+    merged = combine(transport.allgather(seal(...)))
+    # or, for an encoded aggregate, a robust rule or under a shared secret (:mod:`.gather`):
     merged = combine(transport.allgather(seal(...)))   # records refused on a bad tag are dropped
     verdict = checks of merged           # ids, settings, rounds, anchors
     transport.commit(verdict.ok)         # every member's vote; False for all if one fails
@@ -95,6 +97,8 @@ class Settings(NamedTuple):
                 (
                     str(jax.tree.structure(opt_state)),
                     [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(opt_state)],
+                    # a robust rule's name (islands with the mean and with a rule would not meet on the wire)
+                    *([] if exchange.gathered is None else [exchange.gathered.name]),
                 )
             ),
             fragments=_tag(exchange.fragments(opt_state.anchor)),
@@ -197,6 +201,7 @@ class Outcome:
     seconds: float
     waits: Waits = dataclasses.field(default_factory=Waits)
     rejected: list[wire.Rejected] = dataclasses.field(default_factory=list)
+    agg_state: Any = None  # a robust rule's aggregate state after the round (host), None: the island's own
 
 
 class Verdict(NamedTuple):
@@ -219,8 +224,12 @@ class RoundProtocol:
       round_timeout: seconds a whole round may take.
       settings: this island's :class:`Settings`.
       gather: a :class:`~.gather.Exchange`: the round gathers every member's
-        sealed record and combines them (encoded aggregates, a shared
-        secret); None: one SUM all-reduce.
+        sealed record and combines them (encoded aggregates, a robust rule,
+        a shared secret); None: one SUM all-reduce.
+      fallback: with ``gather`` None, the :class:`~.gather.Exchange` of the
+        island's plain leaves: an attempt whose sum is not finite gathers
+        them at once, and the members leave out (weight 0) every
+        contribution with a NaN or an infinity.
     """
 
     def __init__(
@@ -233,8 +242,9 @@ class RoundProtocol:
         round_timeout: float,
         settings: Settings,
         gather: gather.Exchange | None = None,
+        fallback: gather.Exchange | None = None,
     ):
-        self.gather = gather
+        self.gather, self.fallback = gather, fallback
         self.transport, self.island_id, self.num_slots = transport, island_id, num_slots
         self.rule, self.round_timeout, self.settings = rule, round_timeout, settings
         self.nonce = secrets.randbelow(2**merge.NONCE_BITS)
@@ -245,16 +255,16 @@ class RoundProtocol:
         refuse it). Raises :class:`IslandsError` (having left) when the round cannot commit in time."""
         start = time.monotonic()
         deadline = start + self.round_timeout
-        healed, waits, rejected = None, Waits(), []
+        healed, waits = None, Waits()
         for attempt in range(2**31):
-            verdict, merged = Verdict(False), None
+            verdict, done = Verdict(False), None
             try:
                 got = self._quorum(deadline, waits)
                 if got is not None:
                     adopted = adopt(got)
                     healed, c = adopted.trees, adopted.contribution
-                merged, rejected = self._exchange(c, healed is not None, waits)
-                verdict = self._check(merged, healed is not None)
+                done = self._exchange(c, healed is not None, waits)
+                verdict = self._check(done.merged, healed is not None)
             except ExchangeError as e:
                 verdict = Verdict(False, str(e))
             except IslandsError:
@@ -262,11 +272,13 @@ class RoundProtocol:
                 raise
             with waits.timed("vote"):
                 committed = self.transport.commit(verdict.ok)
-            if committed and merged is not None:
+            if committed and done is not None:
                 rounds = self.transport.rounds_committed() - 1
                 frag = -1 if c.fragment is None else c.fragment
                 seconds = time.monotonic() - start
-                return Outcome(frag, merged, healed, rounds, attempt, seconds, waits, rejected)
+                return Outcome(
+                    frag, done.merged, healed, rounds, attempt, seconds, waits, done.rejected, done.state
+                )
             if verdict.leave is not None:
                 self.transport.close()
                 raise verdict.leave
@@ -291,12 +303,10 @@ class RoundProtocol:
             self.joined = self.transport.rounds_committed()
         return got
 
-    def _exchange(
-        self, c: Contribution, healed: bool, waits: Waits
-    ) -> tuple[merge.Merged, list[wire.Rejected]]:
+    def _exchange(self, c: Contribution, healed: bool, waits: Waits) -> gather.Gathered:
         weight = 0.0 if c.fragment is None else merge.island_weight(self.rule, healed=healed, tokens=c.tokens)
         if self.gather is not None:
-            return self._gathered(c, weight, healed, waits)
+            return self._gathered(c, weight, healed, waits, self.gather)
         buf = merge.pack(
             c.leaves,
             weight,
@@ -311,13 +321,17 @@ class RoundProtocol:
         )
         with waits.timed("exchange"):
             total = self.transport.allreduce(buf)
-        return merge.unpack(total, c.leaves, num_slots=self.num_slots), []
+        merged = merge.unpack(total, c.leaves, num_slots=self.num_slots)
+        if self.fallback is None or all(np.all(np.isfinite(d)) for d in merged.delta):
+            return gather.Gathered(merged, [])
+        # Every member sums the same NaN or infinity, so every member gathers now.
+        _log.warning("island %d: the round's sum is not finite; gathering the contributions", self.island_id)
+        return self._gathered(c._replace(message=None), weight, healed, waits, self.fallback)
 
     def _gathered(
-        self, c: Contribution, weight: float, healed: bool, waits: Waits
-    ) -> tuple[merge.Merged, list[wire.Rejected]]:
+        self, c: Contribution, weight: float, healed: bool, waits: Waits, ex: gather.Exchange
+    ) -> gather.Gathered:
         """The round over the gather path: this island's sealed record out, every member's in, combined."""
-        assert self.gather is not None
         fragment = -1 if c.fragment is None else c.fragment
         header = wire.Header(
             island=self.island_id,
@@ -330,15 +344,15 @@ class RoundProtocol:
             settings=tuple(int(v) for v in self.settings),
             healed=healed,
         )
-        record = self.gather.seal(header, c.leaves if c.message is None else c.message)
+        record = ex.seal(header, c.leaves if c.message is None else c.message)
         with waits.timed("exchange"):
             records = self.transport.allgather(record)
-        got = gather.combine(records, self.gather, fragment, num_slots=self.num_slots, state=c.agg_state)
+        got = gather.combine(records, ex, fragment, num_slots=self.num_slots, state=c.agg_state)
         for r in got.rejected:
             _log.warning(
                 "island %d dropped a contribution from island %s: %s", self.island_id, r.island, r.reason
             )
-        return got.merged, got.rejected
+        return got
 
     def _fall_behind(self, reason: str) -> None:
         try:
