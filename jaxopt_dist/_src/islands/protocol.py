@@ -26,7 +26,8 @@ jitter); the whole round, quorum and heal included, ends within
   in the next attempt; with no majority (or in the join round, where nothing
   has trained yet) they leave with an error.
 
-Nothing here touches a device: a round runs beside the island's steps.
+Nothing here touches the island's arrays on its devices (a robust rule's program runs on host copies of
+the rows, on one device of this process, with no collective): a round runs beside the island's steps.
 """
 
 from __future__ import annotations
