@@ -30,6 +30,19 @@ Four measurements, each a table (``--part`` picks some):
 * ``spread`` (not run by default): in the fault-free digits run with the
   mean, each worker's distance from the previous step's mean (the center
   ``centered_clip`` clips around), by windows of steps.
+* ``islands`` (not run by default; needs torch and torchft, so Python 3.11
+  here): 4 islands of ``examples/islands.py`` over torchft on loopback (one
+  process each and a lighthouse), the digits MLP, ``H = 10``,
+  ``--islands-steps`` inner steps. Fault-free, then with island 3 started
+  with ``--byzantine signflip:10``, then with ``--byzantine nan``, for each
+  ``--islands-aggregates`` (default: ``mean``, ``trimmed_mean:1`` and
+  ``centered_clip``, the example's radius). The final validation loss of
+  island 0's anchor (every island holds the same one), its ratio to the
+  fault-free islands' with the same aggregate and with the mean; the mean
+  of its last 5 rounds' validation losses (the final one moves by several
+  percent from round to round at these settings) against the fault-free
+  mean's; the hangs, the rounds whose members logged different anchors, the
+  errors and the contributions left out as non-finite.
 
 Run: ``python benchmarks/bench_robust.py`` (digits, cost and gpt; ``--quick`` for a
 smoke run; ``--seeds``, ``--steps``, ``--gpt-steps`` to change the sizes;
@@ -39,6 +52,7 @@ smoke run; ``--seeds``, ``--steps``, ``--gpt-steps`` to change the sizes;
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -109,14 +123,15 @@ def byzantine(
 # Digits: 8 workers under vmap, the seeds under an outer vmap, the steps in a scan.
 
 
-def aggregates(radius: float) -> dict[str, Callable[[], optax.GradientTransformation]]:
+def aggregates(radius: float, iterations: int = 1) -> dict[str, Callable[[], optax.GradientTransformation]]:
     """The digits rows: label -> aggregate factory, the mean first."""
+    clip = f"centered_clip({radius:g})" if iterations == 1 else f"centered_clip({radius:g}, {iterations})"
     return {
         "mean (all_reduce)": lambda: jd.all_reduce(),
         "trimmed_mean(1)": lambda: jd.trimmed_mean(1),
         "trimmed_mean(2)": lambda: jd.trimmed_mean(2),
         "coordinate_median": lambda: jd.coordinate_median(),
-        f"centered_clip({radius:g})": lambda: jd.centered_clip(radius),
+        clip: lambda: jd.centered_clip(radius, iterations),
         "norm_clipped_mean": lambda: jd.norm_clipped_mean(),
     }
 
@@ -249,7 +264,7 @@ def _cell(accs: np.ndarray) -> str:
 def run_digits(args) -> dict:
     digits = Digits(args.steps, args.seeds)
     modes = MODES if not args.quick else MODES[:1]
-    rows = aggregates(args.radius)
+    rows = aggregates(args.radius, args.iterations)
     names = selected(rows, args)
     print(
         f"digits MLP, {N_WORKERS} workers x 16 examples, {args.steps} steps, momentum {MOMENTUM} per worker, "
@@ -311,7 +326,7 @@ def run_cost(args, digits_table: dict | None) -> None:
         return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, batch["x"]), batch["y"]).mean()
 
     steps = 12 if args.quick else args.time_steps
-    makers, rows = aggregates(args.radius), []
+    makers, rows = aggregates(args.radius, args.iterations), []
     for name in selected(makers, args):
         tx = digits_tx(makers[name](), "nan", 0)
         cost = jd.communication_cost(tx, params0, num_workers=N_WORKERS)
@@ -404,6 +419,76 @@ def run_gpt(args) -> None:
         print(_common.markdown_row([label, _spread(bpb), f"{ratio:.3f}" if math.isfinite(ratio) else "nan"]))
 
 
+# ----------------------------------------------------------------------------
+# Islands: 4 processes of examples/islands.py over torchft, one of them Byzantine.
+
+ISLAND_FAULTS = ("none", "signflip:10", "nan")
+
+
+def island_run(aggregate: str, fault: str, args) -> dict:
+    """One run of 4 islands (island 3 ``--byzantine fault`` unless ``none``): chaos.summarize's summary,
+    with island 0's final validation loss and the contributions left out as non-finite."""
+    import tempfile
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import islands_chaos as chaos
+
+    work = tempfile.mkdtemp(prefix="bench_robust_islands_")
+    island_args = ["--sync-every", "10", "--steps", str(args.islands_steps), "--min-islands", "4"]
+    island_args += ["--aggregate", aggregate, "--quorum-timeout", "60", "--round-timeout", "60"]
+    cluster = chaos.Cluster(work, island_args=island_args, min_islands=4, join_timeout_ms=2000)
+    cluster.start_lighthouse()
+    for i in range(4):
+        cluster.start(i, ["--byzantine", fault] if i == 3 and fault != "none" else [])
+    hung = chaos.run_faults(cluster, [], timeout=args.islands_timeout)
+    rows = cluster.rows()
+    summary = chaos.summarize(rows, hung)
+    summary["val_loss"] = summary["final_val_loss"].get("0", math.nan)
+    last = [r["val_loss"] for r in rows if "round" in r and r["island"] == "0"][-5:]
+    summary["last5"] = float(np.mean(last)) if last else math.nan
+    summary["non_finite"] = sum(
+        1 for r in rows if "round" in r for x in r.get("rejected", []) if x["reason"] == "non-finite"
+    )
+    return summary
+
+
+def run_islands(args) -> None:
+    aggregates = [a.strip() for a in args.islands_aggregates.split(",")]
+    print(
+        f"\n## Islands: 4 over torchft, digits MLP, H = 10, {args.islands_steps} steps; island 3 Byzantine\n"
+    )
+    columns = ["aggregate", "island 3 sends", "final val loss", "vs fault-free (same aggregate)"]
+    columns += ["vs fault-free mean", "last 5 rounds' mean", "vs fault-free mean"]
+    columns += ["hangs", "divergent anchors", "errors", "left out as non-finite"]
+    print(_common.markdown_header(columns, "ll" + "r" * 9))
+    clean: dict[str, float] = {}
+    clean5: dict[str, float] = {}
+    for aggregate in aggregates:
+        for fault in ISLAND_FAULTS:
+            t = time.time()
+            s = island_run(aggregate, fault, args)
+            loss = s["val_loss"]
+            clean.setdefault(aggregate, loss)
+            clean5.setdefault(aggregate, s["last5"])
+            cells = [aggregate, "its pseudo-gradient" if fault == "none" else fault, f"{loss:.4f}"]
+            cells += [_pct(loss, clean[aggregate]), _pct(loss, clean.get("mean", math.nan))]
+            cells += [f"{s['last5']:.4f}", _pct(s["last5"], clean5.get("mean", math.nan))]
+            cells += [s["hangs"], s["divergent_anchors"]]
+            print(
+                _common.markdown_row([*cells, len(s["errors"]), s["non_finite"]]),
+                f"  ({time.time() - t:.0f} s)",
+                flush=True,
+            )
+
+
+def _pct(x: float, ref: float) -> str:
+    if not (math.isfinite(x) and math.isfinite(ref)):
+        return "n/a" if math.isfinite(x) else "diverged"
+    return f"{100 * (x / ref - 1):+.1f}%"
+
+
 def _spread(values) -> str:
     if not np.all(np.isfinite(values)):
         return "nan"
@@ -413,7 +498,9 @@ def _spread(values) -> str:
 def main(argv=None) -> int:
     ap = _common.parser(__doc__)
     ap.add_argument(
-        "--part", default="digits,cost,gpt", help="comma-separated subset of digits, cost, gpt, spread"
+        "--part",
+        default="digits,cost,gpt",
+        help="comma-separated subset of digits, cost, gpt, spread, islands",
     )
     ap.add_argument("--steps", type=int, default=300, help="digits: steps")
     ap.add_argument("--seeds", type=int, default=5)
@@ -422,13 +509,23 @@ def main(argv=None) -> int:
     ap.add_argument("--gpt-dim", type=int, default=64)
     ap.add_argument("--sync-every", type=int, default=25, help="gpt: DiLoCo's H")
     ap.add_argument("--radius", type=float, default=RADIUS, help="digits and cost: centered_clip's radius")
+    ap.add_argument(
+        "--iterations", type=int, default=1, help="digits and cost: centered_clip's iterations per step"
+    )
     ap.add_argument("--gpt-radius", type=float, default=1.0, help="gpt: centered_clip's radius")
     ap.add_argument(
         "--only", default="", help="comma-separated prefixes of the rows to run (the mean's always runs)"
     )
+    ap.add_argument("--islands-steps", type=int, default=300, help="islands: inner steps")
+    ap.add_argument(
+        "--islands-aggregates",
+        default="mean,trimmed_mean:1,centered_clip",
+        help="islands: examples/islands.py --aggregate values, comma-separated (the mean first)",
+    )
+    ap.add_argument("--islands-timeout", type=float, default=900, help="islands: seconds a run may take")
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.part.split(",")}
-    if unknown := parts - {"digits", "cost", "gpt", "spread"}:
+    if unknown := parts - {"digits", "cost", "gpt", "spread", "islands"}:
         ap.error(f"--part: unknown {sorted(unknown)}")
     if args.quick:
         args.steps, args.seeds, args.gpt_steps, args.gpt_dim, args.sync_every = 20, 1, 12, 32, 4
@@ -440,6 +537,8 @@ def main(argv=None) -> int:
         run_gpt(args)
     if "spread" in parts:
         run_spread(args)
+    if "islands" in parts:
+        run_islands(args)
     print(f"({time.time() - t0:.0f} s)")
     return 0
 

@@ -50,8 +50,9 @@ quorum to its commit), ``quorum_seconds``, ``heal_seconds``,
 round), ``backoff_seconds`` (the pauses between its attempts),
 ``anchor_sha256``, ``agreed_sha256`` (what every member holds bit-identical:
 the anchor, or under ``--eager``, where each island's anchor is its own row,
-the merged mean), ``val_loss`` (of the island's anchor) and ``time`` (Unix
-seconds); with ``--die-in-exchange-*`` or ``--stop-in-exchange-after``, a
+the merged mean), ``sent_bytes`` (what the island put on the wire in the
+round), ``rejected`` (the contributions it dropped: ``{"island", "reason"}``),
+``val_loss`` (of the island's anchor) and ``time`` (Unix seconds); with ``--die-in-exchange-*`` or ``--stop-in-exchange-after``, a
 ``{"island", "fault", "fault_round", "time"}`` line just before the fault. At
 the end a ``{"island", "done": true, "val_loss", "steps", "sharded_leaves",
 "time"}`` line (``sharded_leaves``: the anchor's leaves split over the
@@ -61,6 +62,23 @@ cannot go on (no quorum within ``--quorum-timeout``, a round not committed
 within ``--round-timeout``) writes ``{"island", "error", "time"}`` and exits
 with status 3; one that is refused (its id in use by another live island, or
 settings that differ from the others') with status 4.
+
+``--aggregate trimmed_mean:K``, ``median``, ``centered_clip:R`` or ``norm_clip``
+screen the islands' pseudo-gradients with a robust rule
+(:func:`jaxopt_dist.trimmed_mean` and the others): each island sends its own,
+every island gathers them all and applies the rule in island order, so every
+island holds the same anchor. ``--byzantine MODE`` makes this island send, from
+its first round on, ``nan``, ``signflip:K`` (minus K times its pseudo-gradient),
+``scale:K`` or ``random:S`` (Gaussian noise of standard deviation S) instead of
+its pseudo-gradient, to see the rules at work::
+
+    python examples/islands.py --island-id 3 --lighthouse 127.0.0.1:29510 --aggregate trimmed_mean:1 \
+        --byzantine signflip:10
+
+Whatever the aggregate, a contribution with a NaN or an infinity is left out of
+its round (weight 0; under the plain mean the round's sum is found not finite
+and the contributions are gathered at once to find it) and listed in the
+round's ``rejected`` with the reason ``"non-finite"``.
 
 ``--steps-file PATH`` lets a driver (``examples/islands_chaos.py``) lengthen
 the run: the island trains until the larger of ``--steps`` and the count
@@ -72,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -123,11 +142,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--aggregate",
-        choices=("mean", "low_bit", "sparseloco", "muloco"),
+        type=aggregate_name,
         default="mean",
+        metavar="{mean,low_bit,sparseloco,muloco,trimmed_mean:K,median,centered_clip:R,norm_clip}",
         help="what each island sends: the float32 mean (one all-reduce), or encoded and gathered: "
         "low_bit() at 4 bits, sparseloco's chunked top-k (its defaults), or MuLoCo's "
-        "statistical_quantize(2) with its re-quantized mean",
+        "statistical_quantize(2) with its re-quantized mean; or each island's float32 pseudo-gradient, "
+        "gathered and combined by a robust rule: trimmed_mean(K), coordinate_median(), "
+        f"centered_clip(R) (centered_clip alone: R = {CENTERED_CLIP_RADIUS:g}) or norm_clipped_mean()",
+    )
+    p.add_argument(
+        "--byzantine",
+        type=byzantine_mode,
+        default=None,
+        metavar="MODE",
+        help="fault injection: from its first round on, this island sends in place of its pseudo-gradient "
+        "d: nan (NaN everywhere), signflip:K (-K d), scale:K (K d) or random:S (Gaussian noise of "
+        "standard deviation S, a fresh draw each round); it applies the merged rounds as any island",
     )
     p.add_argument(
         "--secret-file",
@@ -235,12 +266,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--fsdp shards over the devices of an island of several processes (--num-processes >= 2)")
     if args.eager and args.sync_delay:
         p.error("--eager takes --sync-delay 0: its exchange already overlaps a whole period")
+    if args.eager and args.aggregate.partition(":")[0] in ROBUST:
+        p.error("--eager takes no robust --aggregate: its own fresh pseudo-gradient would pass unscreened")
+    if args.byzantine is not None and args.num_processes > 1:
+        p.error("--byzantine runs on an island of one process")
     if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
         p.error("give --serve-lighthouse HOST:PORT, or --island-id ID and --lighthouse HOST:PORT")
     for name in ("steps", "sync_every", "num_fragments", "batch_size", "hidden", "min_islands", "eval_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+ROBUST = ("trimmed_mean", "median", "centered_clip", "norm_clip")
+CENTERED_CLIP_RADIUS = 1.0
+"""``--aggregate centered_clip``'s radius, in the units of a pseudo-gradient's norm (the whole model's)."""
+
+
+def aggregate_name(text: str) -> str:
+    """``--aggregate``: a plain name, ``trimmed_mean:K`` (an int K >= 0) or ``centered_clip[:R]`` (R > 0)."""
+    kind, colon, arg = text.partition(":")
+    plain = ("mean", "low_bit", "sparseloco", "muloco", "median", "norm_clip", "centered_clip")
+    if not colon and kind in plain:
+        return text
+    try:
+        if kind == "trimmed_mean" and colon and int(arg) >= 0:
+            return text
+        if kind == "centered_clip" and colon and float(arg) > 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: one of mean, low_bit, sparseloco, muloco, trimmed_mean:K (K an int >= 0), median, "
+        "centered_clip:R (R > 0; centered_clip alone: R = 1), norm_clip"
+    )
+
+
+def byzantine_mode(text: str) -> str:
+    """``--byzantine``: ``nan``, ``signflip:K``, ``scale:K`` or ``random:S`` (S > 0)."""
+    kind, colon, arg = text.partition(":")
+    try:
+        if kind == "nan" and not colon:
+            return text
+        if kind in ("signflip", "scale") and colon and math.isfinite(float(arg)):
+            return text
+        if kind == "random" and colon and math.isfinite(float(arg)) and float(arg) > 0:
+            return text
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: one of nan, signflip:K (-K times the pseudo-gradient), scale:K (K times it), "
+        "random:S (Gaussian noise of standard deviation S > 0)"
+    )
 
 
 def serve_lighthouse(args: argparse.Namespace) -> None:
@@ -300,13 +377,18 @@ def build(args: argparse.Namespace) -> Setup:
         return {"x": x_train[idx], "y": y_train[idx]}
 
     val = jax.jit(lambda p: loss_fn(p, {"x": x_val, "y": y_val}))
+    kind, _, arg = args.aggregate.partition(":")
     aggregates = {
         "mean": lambda: None,
         "low_bit": lambda: jd.low_bit(),
         "sparseloco": lambda: jd.chunked_top_k(64, chunk=64, bits=2, error_decay=0.95),
         "muloco": lambda: jd.statistical_quantize(2),
+        "trimmed_mean": lambda: jd.trimmed_mean(int(arg)),
+        "median": lambda: jd.coordinate_median(),
+        "centered_clip": lambda: jd.centered_clip(float(arg) if arg else CENTERED_CLIP_RADIUS),
+        "norm_clip": lambda: jd.norm_clipped_mean(),
     }
-    aggregate = aggregates[args.aggregate]()
+    aggregate = aggregates[kind]()
     tx = jd.diloco(
         optax.adamw(args.lr),
         outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
@@ -364,6 +446,50 @@ class DyingTransport:
             wake = f"sleep {self.stop_seconds}; kill -CONT {os.getpid()}"
             subprocess.Popen(["sh", "-c", wake], start_new_session=True)
             os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class ByzantineStep:
+    """An island's step that, after each step that sends a fragment, puts in the state's outbox (what the
+    island's round sends) what ``mode`` says in place of the island's pseudo-gradient ``d``: ``nan``,
+    ``signflip:K`` (``-K d``), ``scale:K`` (``K d``) or ``random:S`` (Gaussian noise of standard deviation
+    ``S``, drawn from the island's id and the step). The island applies the merged rounds as any island.
+    """
+
+    def __init__(self, inner: Any, exchange: Any, mode: str, island_id: int):
+        self.inner, self.exchange, self.island_id = inner, exchange, island_id
+        self.kind, _, arg = mode.partition(":")
+        self.value = float(arg) if arg else 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        import numpy as np
+
+        params, opt_state, metrics = self.inner(params, opt_state, batch)
+        t = int(np.asarray(opt_state.count.addressable_data(0)).reshape(-1)[0]) - 1  # the step just taken
+        sent = self.exchange.launches_after(t)
+        if sent:
+            outbox = list(opt_state.outbox)
+            for f in sent:
+                outbox[f] = [self.replace(x, t, k) for k, x in enumerate(outbox[f])]
+            opt_state = opt_state._replace(outbox=tuple(outbox))
+        return params, opt_state, metrics
+
+    def replace(self, d: Any, step: int, leaf: int) -> Any:
+        """What the island sends in place of ``d`` (one leaf of its pseudo-gradient), placed as ``d``."""
+        import jax
+        import numpy as np
+
+        x = np.asarray(d.addressable_data(0))
+        if self.kind == "nan":
+            bad = np.full_like(x, np.nan)
+        elif self.kind in ("signflip", "scale"):
+            bad = (-self.value if self.kind == "signflip" else self.value) * x
+        else:
+            rng = np.random.default_rng([self.island_id, step, leaf])
+            bad = (self.value * rng.standard_normal(x.shape)).astype(x.dtype)
+        return jax.device_put(bad.astype(x.dtype), d.sharding)
 
 
 class TimedStep:
@@ -556,6 +682,8 @@ def run_island(args: argparse.Namespace) -> int:
         round_timeout=args.round_timeout,
         on_sync=on_sync,
     )
+    if args.byzantine is not None:
+        island.step = ByzantineStep(island.step, island.exchange, args.byzantine, args.island_id)
     if args.timings:
         island.step = TimedStep(island.step)
     timings: dict[str, Any] = {}

@@ -110,6 +110,19 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     scales the island's own fresh pseudo-gradient in its next outer step
     of that fragment.
 
+    Encoded aggregates (``low_bit``, ``chunked_top_k``...), robust rules
+    (:func:`jaxopt_dist.trimmed_mean`, :func:`jaxopt_dist.coordinate_median`,
+    :func:`jaxopt_dist.centered_clip`, :func:`jaxopt_dist.norm_clipped_mean`)
+    and any merge under a shared secret gather every island's contribution
+    instead (one all-gather of sealed records) and combine them in island
+    order on every island. A robust rule gets each island's own
+    pseudo-gradient, one row per slot (NaN rows for the slots without one),
+    and counts each island once (it takes ``rule="mean"`` only). Whatever
+    the aggregate, a contribution with a NaN or an infinity weighs 0 in its
+    round and is named in the record's ``rejected`` (``"non-finite"``); the
+    SUM all-reduce, whose total then is not finite, is followed at once by
+    the gather that finds it.
+
     A round is attempts of: quorum (an island that is behind heals from a
     peer here), the all-reduce, the members' checks of what they summed, and
     a vote among them: the attempt commits only when every member's exchange
@@ -157,7 +170,8 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
       fragment's elements plus ``1 + 16 * num_slots`` floats (the weight,
       then per slot its presence, weight, round, anchor tag, heal flag, join
       round, nonce, fragment and 8 settings), and a one-float all-reduce for the commit
-      vote;
+      vote (a gathered round: one all-gather of a record per island in place
+      of the all-reduce; a sum that is not finite: that all-gather after it);
       a healing island receives a whole copy of the parameters and optimizer
       state.
     """

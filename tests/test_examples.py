@@ -282,3 +282,48 @@ def test_a_waiting_island_says_how_many_islands_it_has_and_needs():
     # No lighthouse to ask: what the island itself needs.
     line = islands.waiting_line("127.0.0.1:1", 2, 0.0)
     assert re.fullmatch(r"waiting for islands: need 2 \(--min-islands\) since \d\d:\d\d:\d\d", line), line
+
+
+def test_the_islands_example_takes_the_robust_aggregates_and_byzantine_modes(capsys):
+    """examples/islands.py's --aggregate robust names and --byzantine modes, exactly as documented; each
+    name builds its rule as the diloco's aggregate, and a Byzantine island's outbox holds what its mode
+    says in place of its pseudo-gradient."""
+    islands = helpers.load_example("islands")
+    common = ["--island-id", "0", "--lighthouse", "127.0.0.1:1"]
+    rules = {
+        "trimmed_mean:2": "trimmed_mean",
+        "median": "coordinate_median",
+        "centered_clip:0.5": "centered_clip",
+        "centered_clip": "centered_clip",
+        "norm_clip": "norm_clipped_mean",
+    }
+    for name, rule in rules.items():
+        args = islands.parse_args([*common, "--aggregate", name])
+        assert islands.build(args).tx.external.gathered.name == rule
+    for mode in ("nan", "signflip:10", "scale:100", "random:1"):
+        assert islands.parse_args([*common, "--byzantine", mode]).byzantine == mode
+    bad = [
+        ["--aggregate", "trimmed_mean"],
+        ["--aggregate", "trimmed_mean:-1"],
+        ["--aggregate", "centered_clip:0"],
+        ["--aggregate", "median:3"],
+        ["--byzantine", "signflip"],
+        ["--byzantine", "random:0"],
+        ["--byzantine", "nan:1"],
+        ["--aggregate", "median", "--eager"],
+    ]
+    for argv in bad:
+        with pytest.raises(SystemExit):
+            islands.parse_args([*common, *argv])
+    capsys.readouterr()
+
+    class Exchange:
+        def launches_after(self, t):
+            return [0] if t == 3 else []
+
+    d = jnp.asarray(np.arange(1.0, 7.0, dtype=np.float32).reshape(1, 6))
+    for mode, want in {"nan": np.full((1, 6), np.nan), "signflip:10": -10 * d, "scale:3": 3 * d}.items():
+        step = islands.ByzantineStep(None, Exchange(), mode, island_id=1)
+        np.testing.assert_array_equal(np.asarray(step.replace(d, 3, 0)), np.asarray(want, np.float32))
+    noise = np.asarray(islands.ByzantineStep(None, Exchange(), "random:2", island_id=1).replace(d, 3, 0))
+    assert noise.shape == (1, 6) and 0.5 < np.std(noise) < 5 and not np.allclose(noise, d)

@@ -22,6 +22,7 @@ from jaxopt_dist import islands
 from tests import helpers
 
 N, H = 3, 4
+EXAMPLE = helpers.load_example("islands")
 
 
 # ------------------------------------------------------------------ merge rules
@@ -131,9 +132,12 @@ def _reference(make_tx, steps: int, n: int = N) -> list:
     return anchors
 
 
-def _island_thread(i, make_tx, transport, steps, out, on_sync_too=None, errors=None, pause=0.0, **options):
+def _island_thread(
+    i, make_tx, transport, steps, out, on_sync_too=None, errors=None, pause=0.0, byzantine=None, **options
+):
     """Island ``i``'s thread: ``steps`` inner steps (``pause`` seconds after each), its records in ``out[i]``,
-    an IslandsError it ends with in ``errors[i]`` (raised when ``errors`` is None)."""
+    an IslandsError it ends with in ``errors[i]`` (raised when ``errors`` is None); with ``byzantine`` (a
+    mode of ``examples/islands.py --byzantine``) it sends that instead of its pseudo-gradient."""
     mesh = jax.make_mesh((1,), ("data",), devices=[jax.devices()[i % 8]])
     step = jd.data_parallel_step(_loss, make_tx(), mesh=mesh, per_worker_params=True)
     seen = []
@@ -144,6 +148,8 @@ def _island_thread(i, make_tx, transport, steps, out, on_sync_too=None, errors=N
             on_sync_too(rec, p, s)
 
     isl = islands.island(step, transport, island_id=i, on_sync=on_sync, **options)
+    if byzantine is not None:
+        isl.step = EXAMPLE.ByzantineStep(isl.step, isl.exchange, byzantine, i)
     out[i] = seen
     try:
         p, s = isl.init(_params())
@@ -193,6 +199,11 @@ VARIANTS = {
     # Encoded on the wire (gathered, decoded and combined in island order).
     "sparseloco": dict(aggregate="chunked_top_k"),
     "top_k_flat": dict(aggregate="top_k_flat"),
+    # Robust rules over the gathered pseudo-gradients, one row per slot (NaN for the slots with none).
+    "trimmed_mean": dict(aggregate="trimmed_mean"),
+    "median_streaming_delay": dict(aggregate="coordinate_median", num_fragments=2, sync_delay=1),
+    "centered_clip": dict(aggregate="centered_clip"),  # its center: the same state on every island
+    "norm_clipped_mean": dict(aggregate="norm_clipped_mean"),
     # Per-island anchors: each takes its own fresh pseudo-gradient with its share of the last round.
     "eager": dict(eager=True),
     "eager_streaming": dict(eager=True, num_fragments=2),
@@ -207,6 +218,11 @@ def _maker(opts):
         "low_bit": lambda: jd.low_bit(3, 0, block_size=8),
         "chunked_top_k": lambda: jd.chunked_top_k(4, chunk=4, bits=2),
         "top_k_flat": lambda: jd.top_k(k=10, per_leaf=False),
+        "trimmed_mean": lambda: jd.trimmed_mean(1),
+        "coordinate_median": lambda: jd.coordinate_median(),
+        # A radius below the pseudo-gradients' spread (norms near 1 here), so that it clips.
+        "centered_clip": lambda: jd.centered_clip(0.3, iterations=2),
+        "norm_clipped_mean": lambda: jd.norm_clipped_mean(),
     }
     if "aggregate" in opts:
         make = aggregates[opts["aggregate"]]
@@ -234,6 +250,34 @@ def test_islands_match_in_process_diloco(variant):
     assert len({tuple(r.agreed_sha256 for r, _ in out[i]) for i in range(N)}) == 1
     anchors = {tuple(r.anchor_sha256 for r, _ in out[i]) for i in range(N)}
     assert len(anchors) == (N if eager else 1)
+
+
+@pytest.mark.parametrize("aggregate", ["mean", "chunked_top_k", "trimmed_mean"])
+def test_a_nan_island_never_reaches_the_others(aggregate):
+    """Island 2 sends NaN in place of its pseudo-gradient in every round. Whatever the aggregate (the
+    float32 mean's SUM, found not finite, is redone over the gather path at once; SparseLoCo's encoded
+    messages; a robust rule's rows) every member leaves it out (weight 0, named in ``rejected`` as
+    "non-finite") and merges the others alone: the in-process run of islands 0 and 1 (a trimmed mean of two
+    finite rows is their mean). Island 2 applies the same merge: every anchor is the same, bit for bit."""
+    opts = {} if aggregate == "mean" else {"aggregate": aggregate}
+    make_tx, steps = _maker(opts), 2 * H + 1
+    ref = _reference(_maker({} if aggregate == "trimmed_mean" else opts), steps, n=2)
+    hub, out = islands.LocalHub(min_islands=N, join_timeout=10.0), {}
+    bad = {2: "nan"}
+    _run_threads(
+        [
+            (_island_thread, (i, make_tx, hub.transport(), steps, out), {"byzantine": bad.get(i)})
+            for i in range(N)
+        ]
+    )
+    for i in range(N):
+        assert len(out[i]) == 2, i
+        for rec, anchor in out[i]:
+            assert rec.participants == (0, 1, 2) and rec.weights == (1.0, 1.0, 0.0) and rec.redone == 0
+            assert rec.rejected == ((2, "non-finite"),)
+            assert all(np.all(np.isfinite(v)) for v in anchor.values())
+            _assert_close_to(anchor, ref[rec.step - 1])
+    assert len({tuple(r.anchor_sha256 for r, _ in out[i]) for i in range(N)}) == 1
 
 
 def test_tokens_rule_with_equal_steps_is_the_mean():
@@ -707,6 +751,9 @@ def test_island_rejects_what_it_cannot_run():
         islands.island(_step(tx), hub.transport(), island_id=64)
     with pytest.raises(ValueError, match="`rule` must be one of"):
         islands.island(_step(tx), hub.transport(), island_id=0, rule="rda")
+    robust = jd.diloco(optax.sgd(0.1), sync_every=2, aggregate=jd.trimmed_mean(1))
+    with pytest.raises(ValueError, match=r"counts every island's contribution once.*use rule='mean'"):
+        islands.island(_step(robust), hub.transport(), island_id=0, rule="tokens")
 
 
 def test_islands_with_different_models_fail_clearly():

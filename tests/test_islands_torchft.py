@@ -530,3 +530,48 @@ def test_a_bad_healing_state_is_refused_losing_no_round(bad_input, case):
     assert heal["healed"] and heal["participants"] == [0, 1] and heal["redone"] >= 1, heal
     refused = heal["rejected"][0][1]
     assert "is refused" in refused and "http://127.0.0.1:" in refused and _REASONS[case] in refused, heal
+
+
+def _byzantine_cluster(tmp_path, aggregate, mode, steps):
+    """Three islands of examples/islands.py over torchft on loopback, island 2 with ``--byzantine mode``,
+    run to the end: the rows and the summary."""
+    extra = ["--steps", str(steps), "--aggregate", aggregate]
+    cluster = _cluster(tmp_path, min_islands=3, extra=extra)
+    cluster.start_lighthouse()
+    for i in range(3):
+        cluster.start(i, ["--byzantine", mode] if i == 2 else [])
+    hung = chaos.run_faults(cluster, [], timeout=240)
+    rows = cluster.rows()
+    summary = chaos.summarize(rows, hung)
+    assert not hung and summary["errors"] == [] and summary["divergent_anchors"] == 0, summary
+    assert summary["rounds_committed"] == steps // H, summary  # one per H steps (the join is not logged)
+    _within_bounds(rows)
+    return rows, summary
+
+
+def test_a_nan_island_does_not_reach_the_others_with_the_plain_mean(tmp_path):
+    """Island 2 sends NaN in place of its pseudo-gradient in every round, under the float32 mean: each
+    round's sum is not finite, so the members gather the contributions at once, leave island 2's out
+    (weight 0, listed in ``rejected`` as "non-finite") and merge the others': every island, island 2
+    included, ends every round with the same finite anchor, and every round commits."""
+    rows, summary = _byzantine_cluster(tmp_path, "mean", "nan", 3 * H)
+    for r in _rounds(rows):
+        assert r["participants"] == ["0", "1", "2"] and r["weights"] == [1.0, 1.0, 0.0], r
+        assert r["rejected"] == [{"island": 2, "reason": "non-finite"}], r
+        assert np.isfinite(r["val_loss"]), r
+    assert all(np.isfinite(v) for v in summary["final_val_loss"].values()), summary
+
+
+def test_a_signflip_island_is_tolerated_by_a_trimmed_mean(tmp_path):
+    """Island 2 sends -10 times its pseudo-gradient in every round, under ``--aggregate trimmed_mean:1``
+    (with three islands: the coordinate median): the islands keep one anchor, drop nothing (the values are
+    finite), and end within 10% of the validation loss of the fault-free in-process run (the mean over
+    three workers), where the plain mean with that island would diverge."""
+    steps = 3 * H
+    rows, summary = _byzantine_cluster(tmp_path, "trimmed_mean:1", "signflip:10", steps)
+    for r in _rounds(rows):
+        assert r["participants"] == ["0", "1", "2"] and r["weights"] == [1.0] * 3 and r["rejected"] == [], r
+    args = example.parse_args(["--island-id", "0", "--lighthouse", "-", "--steps", str(steps)])
+    clean = example.build(args).val_loss(_reference_anchors(3, steps)[-1])
+    for i, loss in summary["final_val_loss"].items():
+        assert loss <= 1.10 * clean, (i, loss, clean)

@@ -227,6 +227,18 @@ def _check_eager_aggregate(aggregate: Any, eager: bool) -> None:
         )
 
 
+def _own_contribution(mean: Callable[..., Any]) -> Callable[..., tuple[list[Any], Any]]:
+    """``OuterExchange.run_first`` for a robust rule: the worker's own pseudo-gradient (the mean over its
+    one worker, replicated like the rule's result), the aggregate state unchanged (the rule's runner
+    updates it)."""
+
+    def run(f, pseudo, agg_state_f, anchor_f):
+        values, _ = mean(f, pseudo, optax.EmptyState(), anchor_f)  # the mean keeps no state
+        return values, agg_state_f
+
+    return run
+
+
 def _finishing(second: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
     """``OuterExchange.finish`` for an aggregate's second stage ``second(leaves, state)``."""
 
@@ -274,6 +286,12 @@ class OuterExchange:
       wire: the :class:`jaxopt_dist._src.base.Wire` of ``run_first``'s
         aggregate (its message encoded and decoded without communication),
         or None: for a runner that sends each worker's message itself.
+      gathered: the :class:`jaxopt_dist._src.base.GatheredRule` of the
+        ``aggregate`` (a robust rule over every worker's whole contribution),
+        or None. Then ``run_first`` gives the worker's own pseudo-gradient
+        (its mean over a workers' axis of size 1) and the aggregate state
+        unchanged, and a runner that gathers the workers' contributions
+        applies the rule's ``combine`` to them itself.
     """
 
     sync_every: int
@@ -288,6 +306,7 @@ class OuterExchange:
     finish: Callable[..., list[Any]] | None = None
     eager: bool = False
     wire: base.Wire | None = None
+    gathered: base.GatheredRule | None = None
 
     def launches_after(self, step: int) -> list[int]:
         """The fragments whose exchange can start once inner step ``step`` (0-based) is done."""
@@ -553,6 +572,8 @@ def diloco(
 
     exchange = exchange_with(aggregate)
     stages = base.two_stage_of(aggregate)
+    gathered = base.gathered_of(aggregate)
+    own = _own_contribution(exchange_with(_mean_aggregate(axis_name)))
 
     finish = None if stages is None else _finishing(stages.second)
     share_fn = base.share_of(aggregate)
@@ -580,12 +601,16 @@ def diloco(
             out=state.outbox,
         )
 
-    def make_update(with_outbox: bool, fallback: bool, split: bool = False, with_shares: bool = False):
+    def make_update(
+        with_outbox: bool, fallback: bool, split: bool = False, with_shares: bool = False, run: Any = None
+    ):
         """``update``. ``with_outbox``: the state of ``overlap=True`` (sends go to the outbox);
         ``fallback=False``: the applying step trusts that the exchange has run (``overlapped_step``'s
         fused mode, which then sees no collective inside the switch, and external runners);
         ``split``: with ``sync_delay=0``, the synchronising step only sends (a runner lands);
-        ``with_shares``: the eager step reads the worker's share from the state (islands)."""
+        ``with_shares``: the eager step reads the worker's share from the state (islands);
+        ``run``: the exchange the step would make (default: the ``aggregate``'s)."""
+        run = exchange if run is None else run
 
         def update_fn(updates, state, params=None, **extra_args):
             num_workers = comm.require_axis(axis_name, "diloco")
@@ -600,7 +625,7 @@ def diloco(
             operands = carry(local, state, treedef)
 
             def communicate(f, pseudo, c):
-                delta, new_agg = exchange(f, pseudo, c.agg_s[f], _take(c.a, groups[f]))
+                delta, new_agg = run(f, pseudo, c.agg_s[f], _take(c.a, groups[f]))
                 new_agg = optax.tree.cast_like(new_agg, state.aggregate_states[f])
                 return delta, c._replace(agg_s=_put(c.agg_s, f, new_agg))
 
@@ -721,6 +746,10 @@ def diloco(
         )
         return jax.tree.unflatten(treedef, c.x), new_state
 
+    # What a runner that merges the workers itself runs per worker: a robust rule's worker sends its own
+    # pseudo-gradient; a two-stage aggregate's, the first stage.
+    first = own if gathered is not None else exchange if stages is None else exchange_with(stages.first)
+
     def outer_exchange(trusting, with_land):
         launch = apply_at if eager else send_at
         return OuterExchange(
@@ -732,18 +761,23 @@ def diloco(
             axis_name=axis_name,
             trusting=trusting,
             land=land_after_send if with_land else None,
-            run_first=exchange if stages is None else exchange_with(stages.first),
+            run_first=first,
             finish=finish,
             eager=eager,
             wire=base.wire_of(aggregate if stages is None else stages.first),
+            gathered=gathered,
         )
 
     tx = DiLoCoTransformation(make_init(overlap), make_update(overlap, fallback=True))
     if overlap:
         tx.exchange = outer_exchange(DiLoCoTransformation(make_init(True), make_update(True, False)), False)
     split = sync_delay == 0 and not eager
+    # A robust rule across islands runs over the gathered contributions, not inside an island's step
+    # (whose workers' axis has one worker): that step, never exchanging, is typed with the island's own.
+    external_run = own if gathered is not None else None
     external = DiLoCoTransformation(
-        make_init(True, with_shares=eager), make_update(True, fallback=False, split=split, with_shares=eager)
+        make_init(True, with_shares=eager),
+        make_update(True, fallback=False, split=split, with_shares=eager, run=external_run),
     )
     tx.external = outer_exchange(external, split)
     return tx

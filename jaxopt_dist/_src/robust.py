@@ -111,8 +111,23 @@ def _ascending(x: jax.Array, finite: jax.Array) -> jax.Array:
 
 
 def _row_squares(x: jax.Array) -> jax.Array:
-    """The sum of squares of each row of ``x``, in ``x``'s dtype."""
-    return jnp.sum(jnp.square(x), axis=tuple(range(1, x.ndim)))
+    """The sum of squares of each row of ``x``, in ``x``'s dtype: one reduction per row, whose order of
+    additions does not depend on the number of rows (one reduction over every row may add in another
+    order for another row count; see :func:`_sum_rows`)."""
+    return jnp.stack([jnp.sum(jnp.square(x[i])) for i in range(x.shape[0])])
+
+
+def _sum_rows(x: jax.Array) -> jax.Array:
+    """The rows of ``x`` added one after another in worker order.
+
+    Not ``jnp.sum(x, axis=0)``, whose order of additions depends on the number of rows: adding the rows in
+    order, rows of zeros anywhere among them change no bit, so the islands' merge over one row per slot
+    (zeros for the slots with no contribution) gives the in-process rule's bits on the same contributions.
+    """
+    total = x[0]
+    for i in range(1, x.shape[0]):
+        total = total + x[i]
+    return total
 
 
 def _median(x: jax.Array, finite: jax.Array, m: jax.Array) -> jax.Array:
@@ -128,7 +143,7 @@ def _median(x: jax.Array, finite: jax.Array, m: jax.Array) -> jax.Array:
 def _weighted_mean(x: jax.Array, weights: jax.Array, m: jax.Array) -> jax.Array:
     """``sum_i w_i x_i / max(m, 1)`` over the rows with ``w_i > 0`` (the others, NaN ones too, add nothing)."""
     w = _rows(weights, x)
-    return jnp.sum(jnp.where(w > 0, x * w, 0), axis=0) / jnp.maximum(m, 1).astype(x.dtype)
+    return _sum_rows(jnp.where(w > 0, x * w, 0)) / jnp.maximum(m, 1).astype(x.dtype)
 
 
 def _clip_factors(norms: jax.Array, limit: Any) -> jax.Array:
@@ -163,7 +178,7 @@ def _trimmed_mean_rows(trim: int) -> Callable[..., tuple[list[jax.Array], Any]]:
             s = _ascending(x, finite)
             pos = _rows(jnp.arange(x.shape[0]), x)
             kept = jnp.where((pos >= b) & (pos < m - b), s, 0)
-            out.append(jnp.sum(kept, axis=0) / jnp.maximum(m - 2 * b, 1).astype(x.dtype))
+            out.append(_sum_rows(kept) / jnp.maximum(m - 2 * b, 1).astype(x.dtype))
         return out, state
 
     return combine

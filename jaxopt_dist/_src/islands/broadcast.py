@@ -60,7 +60,7 @@ def outcome_everywhere(o: Outcome | None, templates: tuple[Any, Any], like: Any,
         weights = np.zeros(num_slots, np.float32)
         present[o.merged.participants] = 1.0
         weights[o.merged.participants] = o.merged.weights
-        head = [o.fragment, o.healed is not None, o.round, o.redone, o.seconds, 0.0]
+        head = [o.fragment, o.healed is not None, o.round, o.redone, o.seconds, o.agg_state is not None]
         meta = np.concatenate([np.asarray(head, np.float32), present, weights])
     meta = np.asarray(multihost_utils.broadcast_one_to_all(meta))
     f, healed = int(meta[0]), bool(meta[1])
@@ -76,4 +76,9 @@ def outcome_everywhere(o: Outcome | None, templates: tuple[Any, Any], like: Any,
     slots = [int(i) for i in np.flatnonzero(meta[6 : 6 + num_slots] > 0.5)]
     merged = merge.Merged(delta, slots, [float(meta[6 + num_slots + i]) for i in slots])
     waits = o.waits if o is not None else Waits()
-    return Outcome(f, merged, trees, int(meta[2]), int(meta[3]), float(meta[4]), waits)
+    agg = None
+    if meta[5] > 0.5:  # a robust rule's new aggregate state
+        zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state_for_shapes.aggregate_states[f])
+        agg = multihost_utils.broadcast_one_to_all(o.agg_state if o is not None else zeros)
+    rejected = o.rejected if o is not None else []
+    return Outcome(f, merged, trees, int(meta[2]), int(meta[3]), float(meta[4]), waits, rejected, agg)

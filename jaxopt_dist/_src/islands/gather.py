@@ -15,8 +15,22 @@ the result the merged leaves, in ``like``'s dtypes. It runs on the host, on
 every member, on the same inputs; to give every member the same bits whatever
 its machine, it should use elementwise operations only (NumPy's reductions may
 add in another order on another CPU). The islands' own rule is
-:func:`weighted_mean`; a robust one (a trimmed mean, a coordinate median) plugs
-in as ``island(..., combine=rule)``.
+:func:`weighted_mean`.
+
+A robust ``aggregate`` (:func:`jaxopt_dist.trimmed_mean`,
+:func:`jaxopt_dist.coordinate_median`, :func:`jaxopt_dist.centered_clip`,
+:func:`jaxopt_dist.norm_clipped_mean`) combines rows instead
+(:attr:`Exchange.rows`): each member stacks the contributions in slot order,
+one row per slot (``num_slots`` rows), NaN where a slot sent nothing, weighs 0
+or was dropped, so that the shapes stay static and one program serves every
+quorum; the rule leaves the NaN rows out, as it leaves out a worker with a
+NaN in process. Every member runs the same program on the same rows, with
+the same aggregate state (the previous round's, for centered clipping), so
+every member holds the same merged values and the same new state.
+
+Whatever the rule, a contribution whose decoded values hold a NaN or an
+infinity is left out (weight 0) and named in ``rejected`` with the reason
+``"non-finite"``.
 """
 
 from __future__ import annotations
@@ -52,6 +66,12 @@ class Decoded(NamedTuple):
 Rule = Callable[[Sequence[Decoded], Sequence[Any]], list[np.ndarray]]
 """``rule(contributions, like) -> merged leaves``; see the module."""
 
+Rows = Callable[[list[np.ndarray], Any], tuple[list[Any], Any]]
+"""``rows(stacked, state) -> (merged leaves, new state)``: a robust rule over one row per slot."""
+
+NON_FINITE = "non-finite"
+"""The reason given in ``rejected`` for a contribution with a NaN or an infinity."""
+
 
 def weighted_mean(contributions: Sequence[Decoded], like: Sequence[Any]) -> list[np.ndarray]:
     r"""``sum_i w_i v_i / sum_i w_i`` per entry, the sums over the contributions in their order.
@@ -86,6 +106,11 @@ class Exchange:
         this island's aggregate state of the fragment before the round.
       like: per fragment, its leaves' shapes and dtypes.
       rule: the :data:`Rule` combining the decoded contributions.
+      rows: None, or the :data:`Rows` rule of a robust aggregate (then
+        ``rule`` is not used): it gets the contributions stacked in slot
+        order (see the module) and this island's aggregate state of the
+        fragment before the round, and gives the merged leaves and the
+        aggregate's new state.
     """
 
     secret: bytes | None
@@ -93,6 +118,7 @@ class Exchange:
     decode: Callable[[int, list[np.ndarray], Any], tuple[list[Any], list[Any] | None]]
     like: dict[int, list[Any]]
     rule: Rule = weighted_mean
+    rows: Rows | None = None
 
     @property
     def size(self) -> int:
@@ -108,18 +134,54 @@ class Exchange:
 
 
 class Gathered(NamedTuple):
-    """A gathered round: the merged round, and the records refused."""
+    """A gathered round: the merged round, the records refused or left out, and (for a :data:`Rows` rule)
+    the aggregate's new state of the fragment (None: the island keeps its own)."""
 
     merged: merge.Merged
     rejected: list[wire.Rejected]
+    state: Any = None
 
 
 def combine(
     records: Sequence[np.ndarray], ex: Exchange, fragment: int, *, num_slots: int, state: Any = None
 ) -> Gathered:
-    """The round from the members' ``records``: each opened and checked, the accepted decoded and combined
-    in island order with ``ex.rule`` (the merged leaves of ``fragment``, this island's), the slot table
-    read off their headers as :func:`.merge.unpack` reads it off a summed buffer."""
+    """The round from the members' ``records``: each opened and checked, the accepted decoded (those with a
+    NaN or an infinity left out, weight 0) and combined in island order with ``ex.rule`` or ``ex.rows``
+    (the merged leaves of ``fragment``, this island's), the slot table read off their headers as
+    :func:`.merge.unpack` reads it off a summed buffer."""
+    accepted, rejected = _opened(records, ex, num_slots)
+    like = ex.like.get(fragment, [])
+    decoded: list[Decoded] = []
+    for o in accepted:
+        if o.header.fragment != fragment or o.header.weight <= 0 or not like:
+            continue
+        d = Decoded(o.header.island, o.header.weight, *_host(ex.decode(fragment, o.message, state)))
+        if all(np.all(np.isfinite(v)) for v in d.values):
+            decoded.append(d)
+        else:  # left out: its row stays NaN, and its weight in the table is 0
+            rejected.append(wire.Rejected(o.header.island, NON_FINITE))
+    dropped = {r.island for r in rejected if r.reason == NON_FINITE}
+    table = np.zeros(merge.tail_size(num_slots), np.float32)
+    for o in accepted:
+        h = o.header._replace(weight=0.0) if o.header.island in dropped else o.header
+        try:
+            table += merge.pack(
+                [], h.weight, slot=h.island, num_slots=num_slots, round=h.round, anchor=h.anchor,
+                behind=h.healed, joined=h.joined, nonce=h.nonce, settings=h.settings, fragment=h.fragment,
+            )  # fmt: skip
+        except ValueError as e:
+            rejected.append(wire.Rejected(h.island, f"its header is out of range: {e}"))
+    delta, new_state = [], None
+    if like and ex.rows is not None:
+        delta, new_state = ex.rows(stacked_rows(decoded, like, num_slots), state)
+        delta = [np.asarray(d).astype(np.dtype(x.dtype)) for d, x in zip(delta, like)]
+    elif like:
+        delta = ex.rule(decoded, like)
+    return Gathered(merge.unpack(table, [], num_slots=num_slots)._replace(delta=delta), rejected, new_state)
+
+
+def _opened(records: Sequence[np.ndarray], ex: Exchange, num_slots: int) -> tuple[list[Any], list[Any]]:
+    """The records opened: those accepted that do not abstain, in island order, and those refused."""
     accepted, rejected = [], []
     for record in records:
         got = wire.open_record(record, layouts=ex.layouts, secret=ex.secret)
@@ -130,23 +192,20 @@ def combine(
         elif not got.header.abstains:
             accepted.append(got)
     accepted.sort(key=lambda o: o.header.island)
-    table = np.zeros(merge.tail_size(num_slots), np.float32)
-    for o in accepted:
-        h = o.header
-        try:
-            table += merge.pack(
-                [], h.weight, slot=h.island, num_slots=num_slots, round=h.round, anchor=h.anchor,
-                behind=h.healed, joined=h.joined, nonce=h.nonce, settings=h.settings, fragment=h.fragment,
-            )  # fmt: skip
-        except ValueError as e:
-            rejected.append(wire.Rejected(h.island, f"its header is out of range: {e}"))
-    like = ex.like.get(fragment, [])
-    mine = [o for o in accepted if o.header.fragment == fragment and o.header.weight > 0]
-    decoded = [
-        Decoded(o.header.island, o.header.weight, *_host(ex.decode(fragment, o.message, state))) for o in mine
-    ]
-    delta = ex.rule(decoded, like) if like else []
-    return Gathered(merge.unpack(table, [], num_slots=num_slots)._replace(delta=delta), rejected)
+    return accepted, rejected
+
+
+def stacked_rows(contributions: Sequence[Decoded], like: Sequence[Any], num_slots: int) -> list[np.ndarray]:
+    """Per leaf, the contributions' values stacked in slot order: ``(num_slots, *shape)`` in the leaf's
+    dtype, row ``i`` island ``i``'s, NaN where no contribution of weight above 0 came from slot ``i``."""
+    out = []
+    for j, x in enumerate(like):
+        rows = np.full((num_slots, *np.shape(x)), np.nan, np.dtype(x.dtype))
+        for c in contributions:
+            if c.weight > 0:
+                rows[c.island] = np.asarray(c.values[j]).astype(rows.dtype)
+        out.append(rows)
+    return out
 
 
 def _host(decoded: tuple[Any, Any]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:

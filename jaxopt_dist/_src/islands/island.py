@@ -136,6 +136,7 @@ class Island:
             )
         self.rule = merge.check_rule(rule)
         self.exchange = step.tx.external
+        _check_rule_with(self.exchange, self.rule)
         self.step = dataclasses.replace(step, tx=self.exchange.trusting)
         self.transport = transport
         self.island_id, self.num_slots = int(island_id), int(num_slots)
@@ -155,6 +156,7 @@ class Island:
         self._healing: healing.Healing | None = None
         self._protocol: protocol.RoundProtocol | None = None
         self._encoded = False  # rounds send the aggregate's encoded messages (see _gather)
+        self._rows: Any = None  # a robust rule's program over the gathered rows (see _gather)
 
     # ---------------------------------------------------------------- public
     def init(self, params: Any, *, warmup_batch: Any = None) -> tuple[Any, Any]:
@@ -172,6 +174,9 @@ class Island:
             self._warm_up(params, opt_state, warmup_batch)
         settings = protocol.Settings.of(self.exchange, self.rule, params, opt_state)
         self._healing = healing.Healing(self.island_id, settings, mask.aggregate_states, self._agreed)
+        ex, gathers = self._gather(opt_state)
+        if warmup_batch is not None and self._rows is not None:
+            self._warm_up_rows(ex, opt_state)
         self._protocol = protocol.RoundProtocol(
             self.transport,
             island_id=self.island_id,
@@ -179,7 +184,8 @@ class Island:
             rule=self.rule,
             round_timeout=self.round_timeout,
             settings=settings,
-            gather=self._gather(opt_state),
+            gather=ex if gathers else None,
+            fallback=None if gathers else ex,
         )
         self._digest = self._agreed(opt_state)
         self._healing.keep(params, opt_state, self._digest)
@@ -209,15 +215,14 @@ class Island:
             params, opt_state = self._launch(f, params, opt_state)
         return params, self._remember(opt_state), metrics
 
-    def _gather(self, opt_state: Any) -> gather.Exchange | None:
-        """How rounds gather (see :mod:`.gather`): the aggregate's encoded messages where it declares a
-        wire whose merge the islands make, its decoded values where the transport holds a secret only;
-        None: one SUM all-reduce."""
+    def _gather(self, opt_state: Any) -> tuple[gather.Exchange, bool]:
+        """How rounds gather (see :mod:`.gather`), and whether every round does: the aggregate's encoded
+        messages where it declares a wire whose merge the islands make, the island's own pseudo-gradient
+        under a robust rule (combined over rows), its values where the transport holds a secret; else
+        rounds make one SUM all-reduce, and gather the values only when that sum is not finite."""
         assert self._programs is not None
-        w, secret = self.exchange.wire, self.transport.secret
+        w, secret, rule = self.exchange.wire, self.transport.secret, self.exchange.gathered
         encoded = w is not None and w.merge in ("mean", "chosen_mean")
-        if not encoded and secret is None:
-            return None
         self._encoded = encoded
         layouts, like = {-1: wire.Layout(())}, {}
         for f in range(len(opt_state.outer_states)):
@@ -229,7 +234,18 @@ class Island:
         def decode(f: int, message: list[np.ndarray], agg_state: Any) -> tuple[list[Any], Any]:
             return programs.decode(f, message, agg_state, like[f]) if encoded else (message, None)
 
-        return gather.Exchange(secret, layouts, decode, like)
+        ex = gather.Exchange(secret, layouts, decode, like)
+        if rule is not None:
+            self._rows = landing.rows_program(rule.combine)
+            ex.rows = self._rows
+        return ex, encoded or rule is not None or secret is not None
+
+    def _warm_up_rows(self, ex: gather.Exchange, opt_state: Any) -> None:
+        """Compiles a robust rule's program over the rows (NaN rows: no contribution), for every fragment."""
+        for f, like in ex.like.items():
+            agg = jax.tree.map(broadcast.host, opt_state.aggregate_states[f])
+            assert ex.rows is not None
+            ex.rows(gather.stacked_rows([], like, self.num_slots), agg)
 
     def _warm_up(self, params: Any, opt_state: Any, batch: Any) -> None:
         """Compiles the step, and the exchange and landing of every fragment, on throwaway copies."""
@@ -281,9 +297,10 @@ class Island:
         self._healing.keep(params, opt_state, self._digest)
         leaves, self._own_agg = self._programs.contribution(f, opt_state)
         c = protocol.Contribution(f, leaves, self._steps * self.tokens_per_step, self._digest)
-        if self._encoded:  # what the aggregate sends, and the state that reads the others' messages
-            agg = jax.tree.map(broadcast.host, opt_state.aggregate_states[f])
-            c = c._replace(message=self._programs.message(f, opt_state), agg_state=agg)
+        if self._encoded or self._rows is not None:  # the state that reads the others' messages or rows
+            c = c._replace(agg_state=jax.tree.map(broadcast.host, opt_state.aggregate_states[f]))
+        if self._encoded:  # what the aggregate sends
+            c = c._replace(message=self._programs.message(f, opt_state))
         self._steps = 0
         if self.exchange.land is not None:
             return self._land(self._round_now(c, params, opt_state), params, opt_state)
@@ -308,8 +325,8 @@ class Island:
         f = self._fragment_of(state)
         zeros = [] if f is None else [np.zeros(x.shape, x.dtype) for x in self._fragment_leaves(state, f)]
         c = protocol.Contribution(f, zeros, 0.0, self._agreed(state))
-        if self._encoded and f is not None:  # weight 0: no message; the state reads the others'
-            c = c._replace(agg_state=state.aggregate_states[f])
+        if (self._encoded or self._rows is not None) and f is not None:  # weight 0: no message; the
+            c = c._replace(agg_state=state.aggregate_states[f])  # state reads the others' (or rows)
         return protocol.Adopted((params, state), c)
 
     def _fragment_of(self, opt_state: Any) -> int | None:
@@ -350,7 +367,9 @@ class Island:
             return params, opt_state
         delta = self._programs.finished(f, o.merged.delta, opt_state)
         aggs = list(opt_state.aggregate_states)
-        if o.healed is None:  # the residual this island's own send left (a healed one owes nothing)
+        if o.agg_state is not None:  # a robust rule's state after the round, the same on every member
+            aggs[f] = jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), o.agg_state, aggs[f])
+        elif o.healed is None:  # the residual this island's own send left (a healed one owes nothing)
             aggs[f] = self._own_agg
         s = opt_state._replace(aggregate_states=tuple(aggs))
         if self.exchange.land is None:  # the applying step reads it
@@ -397,6 +416,16 @@ class Island:
     def _mask(self, params: Any) -> Any:
         local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
         return self.step.placement(local).per_worker
+
+
+def _check_rule_with(exchange: Any, rule: str) -> None:
+    """A robust ``aggregate`` counts each island once: it takes no ``"tokens"`` weights."""
+    if exchange.gathered is not None and rule != "mean":
+        raise ValueError(
+            f"`rule={rule!r}` weighs islands, and the diloco's aggregate {exchange.gathered.name}(...) counts "
+            "every island's contribution once (an island in a round weighs 1, one that healed in it 0): "
+            "use rule='mean'."
+        )
 
 
 def _check_step(step: Any) -> None:

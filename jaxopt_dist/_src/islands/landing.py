@@ -4,7 +4,8 @@ Around the diloco's ``external`` step the island runs three programs of its
 own on its devices (:class:`Programs`): the ``aggregate``'s first stage on its
 outbox before a round (what it sends), the aggregate's second stage on the
 merged mean (where it has one), and, with ``sync_delay=0``, the diloco's
-``land`` (the outer step the step left undone). The functions here write a
+``land`` (the outer step the step left undone); under a robust ``aggregate``,
+its rule over the gathered rows (:func:`rows_program`). The functions here write a
 committed round into the state where the step would have put it: a healing
 state placed like the island's own, each fragment's ``pending`` for the
 applying step (or the outer step at once), and under ``eager`` the island's
@@ -94,6 +95,20 @@ class Programs:
         """The diloco's ``land`` of fragment ``f`` with the merged aggregate (``sync_delay=0``)."""
         new = self.get("land", f)(params, s, delta)
         return jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), new, (params, s))
+
+
+def rows_program(combine: Callable[..., Any]) -> Callable[..., tuple[list[np.ndarray], Any]]:
+    """A robust rule's ``combine(stacked, state)`` (:class:`jaxopt_dist._src.base.GatheredRule`) as one
+    jitted program over host rows (:func:`.gather.stacked_rows`), its results on the host: the merged
+    leaves and the aggregate's new state. The same program on the same rows gives every member the same
+    bits."""
+    program = jax.jit(combine)
+
+    def rows(stacked: list[np.ndarray], state: Any) -> tuple[list[np.ndarray], Any]:
+        out, new_state = program(stacked, state)
+        return [np.asarray(x) for x in jax.device_get(out)], jax.device_get(new_state)
+
+    return rows
 
 
 def place_healed(healed: Any, params: Any, opt_state: Any) -> tuple[Any, Any]:

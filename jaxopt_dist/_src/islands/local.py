@@ -44,8 +44,11 @@ class _Round:
     max_step: int
     source: int
     ids: tuple[int, ...] = ()  # the members' island ids
-    contributions: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    total: np.ndarray | None = None
+    # the members' buffers of each collective of the round in turn (an all-reduce, then an all-gather
+    # where its sum is not finite), and how many each member has entered
+    stages: list[dict[int, np.ndarray]] = dataclasses.field(default_factory=list)
+    calls: dict[int, int] = dataclasses.field(default_factory=dict)
+    totals: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     failed: bool = False
     votes: dict[int, bool] = dataclasses.field(default_factory=dict)
 
@@ -111,7 +114,7 @@ class LocalHub:
         self._asking.pop(key, None)
         self._gone.add(key)
         r = self._rounds.get(key)
-        if r is not None and r.total is None and key not in r.contributions:
+        if r is not None and (not r.stages or key not in r.stages[-1]):
             r.failed = True
 
     def join(self, t: LocalTransport) -> int:
@@ -180,43 +183,48 @@ class LocalHub:
 
     # -------------------------------------------------------------- exchange
     def allreduce(self, t: LocalTransport, r: _Round, buf: np.ndarray) -> np.ndarray:
-        return self._collect(t, r, buf, self._sum)
+        return self._collect(t, r, buf, lambda stage, n: self._sum(r, stage, n))
 
     def allgather(self, t: LocalTransport, r: _Round, record: np.ndarray) -> list[np.ndarray]:
         """Every member's ``record``, in the members' order (as ``allreduce``, without the sum)."""
-        return self._collect(t, r, record, lambda r: [r.contributions[k].copy() for k in r.members])
+        return self._collect(t, r, record, lambda stage, n: [stage[k].copy() for k in r.members])
 
-    def _collect(self, t: LocalTransport, r: _Round, buf: np.ndarray, result: Callable[[_Round], Any]) -> Any:
+    def _collect(self, t: LocalTransport, r: _Round, buf: np.ndarray, result: Callable[..., Any]) -> Any:
         with self._cv:
             self._check_alive(t)
             fault = self._faults.pop(t.island_id, None)
             if r.failed:
                 raise ExchangeError(f"island {t.island_id}: a member of the round died")
-            r.contributions[t.key] = buf
+            n = r.calls.get(t.key, 0)  # this member's n-th collective of the round meets the others' n-th
+            r.calls[t.key] = n + 1
+            while len(r.stages) <= n:
+                r.stages.append({})
+            stage = r.stages[n]
+            stage[t.key] = buf
             self._cv.notify_all()
             if fault == "kill":  # its contribution is in: the others can make their sum
                 t.killed = True
                 self._gone_now(t.key)
                 raise IslandKilled(f"island {t.island_id} was killed in its all-reduce")
-            done = lambda: r.failed or len(r.contributions) == len(r.members)  # noqa: E731
+            done = lambda: r.failed or len(stage) == len(r.members)  # noqa: E731
             if not self._wait(t, done, self.timeout):
                 r.failed = True
                 raise ExchangeError(f"island {t.island_id}: the all-reduce timed out after {self.timeout} s")
             if r.failed:
                 raise ExchangeError(f"island {t.island_id}: a member of the round died")
-            total = result(r)
+            total = result(stage, n)
             if fault == "fail":
                 raise ExchangeError(f"island {t.island_id}: its all-reduce failed after the others finished")
             return total
 
-    def _sum(self, r: _Round) -> np.ndarray:
-        if r.total is None:
-            shapes = {c.shape for c in r.contributions.values()}
+    def _sum(self, r: _Round, stage: dict[int, np.ndarray], n: int) -> np.ndarray:
+        if n not in r.totals:
+            shapes = {c.shape for c in stage.values()}
             if len(shapes) > 1:
                 r.failed = True
                 raise ExchangeError(f"the round's buffers differ in shape: {sorted(shapes)}")
-            r.total = np.sum([r.contributions[k] for k in r.members], axis=0, dtype=np.float32)
-        return r.total.copy()
+            r.totals[n] = np.sum([stage[k] for k in r.members], axis=0, dtype=np.float32)
+        return r.totals[n].copy()
 
     def vote(self, t: LocalTransport, r: _Round, ok: bool) -> bool:
         with self._cv:

@@ -5,7 +5,9 @@ island, attempts of::
 
     healed = transport.quorum(timeout)   # a lagging island heals here (weight 0)
     merged = unpack(transport.allreduce(pack(...)))
-    # or, for an encoded aggregate or under a shared secret (:mod:`.gather`):
+    # where the sum is not finite, at once, to find and drop the island that sent a NaN or an infinity:
+    merged = combine(transport.allgather(seal(...)))
+    # or, for an encoded aggregate, a robust rule or under a shared secret (:mod:`.gather`):
     merged = combine(transport.allgather(seal(...)))   # records refused on a bad tag are dropped
     verdict = checks of merged           # ids, settings, rounds, anchors
     transport.commit(verdict.ok)         # every member's vote; False for all if one fails
@@ -28,7 +30,8 @@ jitter); the whole round, quorum and heal included, ends within
   in the next attempt; with no majority (or in the join round, where nothing
   has trained yet) they leave with an error.
 
-Nothing here touches a device: a round runs beside the island's steps.
+Nothing here touches the island's arrays on its devices (a robust rule's program runs on host copies of
+the rows, on one device of this process, with no collective): a round runs beside the island's steps.
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ class Settings(NamedTuple):
                 (
                     str(jax.tree.structure(opt_state)),
                     [(np.shape(x), str(x.dtype)) for x in jax.tree.leaves(opt_state)],
+                    # a robust rule's name (islands with the mean and with a rule would not meet on the wire)
+                    *([] if exchange.gathered is None else [exchange.gathered.name]),
                 )
             ),
             fragments=_tag(exchange.fragments(opt_state.anchor)),
@@ -208,6 +213,7 @@ class Outcome:
     seconds: float
     waits: Waits = dataclasses.field(default_factory=Waits)
     rejected: list[wire.Rejected] = dataclasses.field(default_factory=list)
+    agg_state: Any = None  # a robust rule's aggregate state after the round (host), None: the island's own
 
 
 class Verdict(NamedTuple):
@@ -230,8 +236,12 @@ class RoundProtocol:
       round_timeout: seconds a whole round may take.
       settings: this island's :class:`Settings`.
       gather: a :class:`~.gather.Exchange`: the round gathers every member's
-        sealed record and combines them (encoded aggregates, a shared
-        secret); None: one SUM all-reduce.
+        sealed record and combines them (encoded aggregates, a robust rule,
+        a shared secret); None: one SUM all-reduce.
+      fallback: with ``gather`` None, the :class:`~.gather.Exchange` of the
+        island's plain leaves: an attempt whose sum is not finite gathers
+        them at once, and the members leave out (weight 0) every
+        contribution with a NaN or an infinity.
     """
 
     def __init__(
@@ -244,8 +254,9 @@ class RoundProtocol:
         round_timeout: float,
         settings: Settings,
         gather: gather.Exchange | None = None,
+        fallback: gather.Exchange | None = None,
     ):
-        self.gather = gather
+        self.gather, self.fallback = gather, fallback
         self.transport, self.island_id, self.num_slots = transport, island_id, num_slots
         self.rule, self.round_timeout, self.settings = rule, round_timeout, settings
         self.nonce = secrets.randbelow(2**merge.NONCE_BITS)
@@ -256,9 +267,9 @@ class RoundProtocol:
         refuse it). Raises :class:`IslandsError` (having left) when the round cannot commit in time."""
         start = time.monotonic()
         deadline = start + self.round_timeout
-        healed, waits, rejected, refusals = None, Waits(), [], []
+        healed, waits, refusals = None, Waits(), []
         for attempt in range(2**31):
-            verdict, merged, abstained = Verdict(False), None, False
+            verdict, done, abstained = Verdict(False), None, False
             try:
                 try:
                     got = self._quorum(deadline, waits)
@@ -269,8 +280,8 @@ class RoundProtocol:
                 if got is not None:
                     adopted = adopt(got)
                     healed, c = adopted.trees, adopted.contribution
-                merged, rejected = self._exchange(c, healed is not None, waits)
-                verdict = self._check(merged, healed is not None)
+                done = self._exchange(c, healed is not None, waits)
+                verdict = self._check(done.merged, healed is not None)
             except ExchangeError as e:
                 verdict = Verdict(False, str(e))
             except IslandsError:
@@ -278,11 +289,14 @@ class RoundProtocol:
                 raise
             with waits.timed("vote"):
                 committed = self.transport.commit(verdict.ok or abstained)
-            if committed and merged is not None:
+            if committed and done is not None:
                 rounds = self.transport.rounds_committed() - 1
                 frag = -1 if c.fragment is None else c.fragment
                 seconds = time.monotonic() - start
-                return Outcome(frag, merged, healed, rounds, attempt, seconds, waits, refusals + rejected)
+                rejected = refusals + done.rejected
+                return Outcome(
+                    frag, done.merged, healed, rounds, attempt, seconds, waits, rejected, done.state
+                )
             if verdict.leave is not None:
                 self.transport.close()
                 raise verdict.leave
@@ -307,12 +321,10 @@ class RoundProtocol:
             self.joined = self.transport.rounds_committed()
         return got
 
-    def _exchange(
-        self, c: Contribution, healed: bool, waits: Waits
-    ) -> tuple[merge.Merged, list[wire.Rejected]]:
+    def _exchange(self, c: Contribution, healed: bool, waits: Waits) -> gather.Gathered:
         weight = 0.0 if c.fragment is None else merge.island_weight(self.rule, healed=healed, tokens=c.tokens)
         if self.gather is not None:
-            return self._gathered(c, weight, healed, waits)
+            return self._gathered(c, weight, healed, waits, self.gather)
         buf = merge.pack(
             c.leaves,
             weight,
@@ -327,13 +339,17 @@ class RoundProtocol:
         )
         with waits.timed("exchange"):
             total = self.transport.allreduce(buf)
-        return merge.unpack(total, c.leaves, num_slots=self.num_slots), []
+        merged = merge.unpack(total, c.leaves, num_slots=self.num_slots)
+        if self.fallback is None or all(np.all(np.isfinite(d)) for d in merged.delta):
+            return gather.Gathered(merged, [])
+        # Every member sums the same NaN or infinity, so every member gathers now.
+        _log.warning("island %d: the round's sum is not finite; gathering the contributions", self.island_id)
+        return self._gathered(c._replace(message=None), weight, healed, waits, self.fallback)
 
     def _gathered(
-        self, c: Contribution, weight: float, healed: bool, waits: Waits
-    ) -> tuple[merge.Merged, list[wire.Rejected]]:
+        self, c: Contribution, weight: float, healed: bool, waits: Waits, ex: gather.Exchange
+    ) -> gather.Gathered:
         """The round over the gather path: this island's sealed record out, every member's in, combined."""
-        assert self.gather is not None
         fragment = -1 if c.fragment is None else c.fragment
         header = wire.Header(
             island=self.island_id,
@@ -346,15 +362,15 @@ class RoundProtocol:
             settings=tuple(int(v) for v in self.settings),
             healed=healed,
         )
-        record = self.gather.seal(header, c.leaves if c.message is None else c.message)
+        record = ex.seal(header, c.leaves if c.message is None else c.message)
         with waits.timed("exchange"):
             records = self.transport.allgather(record)
-        got = gather.combine(records, self.gather, fragment, num_slots=self.num_slots, state=c.agg_state)
+        got = gather.combine(records, ex, fragment, num_slots=self.num_slots, state=c.agg_state)
         for r in got.rejected:
             _log.warning(
                 "island %d dropped a contribution from island %s: %s", self.island_id, r.island, r.reason
             )
-        return got.merged, got.rejected
+        return got
 
     def _refusal(self, e: HealRefused) -> wire.Rejected:
         """A refused healing state, as the round's record lists it (its source, if known, and why)."""
