@@ -35,6 +35,10 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The heavier tests first (a stable sort keeps each group's order): pytest-xdist hands tests out
+    # in this order, so its workers end together rather than one of them waiting on a long test
+    # drawn last.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     keep = config.getoption("--backends")
     if not keep:
         return
