@@ -84,7 +84,7 @@ class Transport(abc.ABC):
         """Joins as ``island_id``; ``serve()`` gives the healing state a lagging peer takes from this island.
 
         ``serve`` is called from the transport's own threads, whenever a peer heals from this island.
-        ``expect`` (a :class:`~.heal_http.Expected`, or None) is what a healing state this island
+        ``expect`` (a ``heal_http.Expected``, or None) is what a healing state this island
         receives must be: the transport refuses any other (:class:`HealRefused`) before it is used.
         """
 
