@@ -152,6 +152,7 @@ def combine(
     accepted, rejected = _opened(records, ex, num_slots)
     like = ex.like.get(fragment, [])
     decoded: list[Decoded] = []
+    dropped: set[int] = set()
     for o in accepted:
         if o.header.fragment != fragment or o.header.weight <= 0 or not like:
             continue
@@ -159,8 +160,8 @@ def combine(
         if all(np.all(np.isfinite(v)) for v in d.values):
             decoded.append(d)
         else:  # left out: its row stays NaN, and its weight in the table is 0
+            dropped.add(o.header.island)
             rejected.append(wire.Rejected(o.header.island, NON_FINITE))
-    dropped = {r.island for r in rejected if r.reason == NON_FINITE}
     table = np.zeros(merge.tail_size(num_slots), np.float32)
     for o in accepted:
         h = o.header._replace(weight=0.0) if o.header.island in dropped else o.header

@@ -351,17 +351,7 @@ class RoundProtocol:
     ) -> gather.Gathered:
         """The round over the gather path: this island's sealed record out, every member's in, combined."""
         fragment = -1 if c.fragment is None else c.fragment
-        header = wire.Header(
-            island=self.island_id,
-            round=self.transport.rounds_committed(),
-            fragment=fragment,
-            weight=weight,
-            anchor=merge.anchor_tag(c.digest),
-            joined=self.joined or 0,
-            nonce=self.nonce,
-            settings=tuple(int(v) for v in self.settings),
-            healed=healed,
-        )
+        header = self._header(fragment, weight, merge.anchor_tag(c.digest), healed=healed)
         record = ex.seal(header, c.leaves if c.message is None else c.message)
         with waits.timed("exchange"):
             records = self.transport.allgather(record)
@@ -371,6 +361,20 @@ class RoundProtocol:
                 "island %d dropped a contribution from island %s: %s", self.island_id, r.island, r.reason
             )
         return got
+
+    def _header(self, fragment: int, weight: float, anchor: int, **flags: bool) -> wire.Header:
+        """This island's record header in this attempt (``flags``: ``healed``, ``abstains``)."""
+        return wire.Header(
+            island=self.island_id,
+            round=self.transport.rounds_committed(),
+            fragment=fragment,
+            weight=weight,
+            anchor=anchor,
+            joined=self.joined or 0,
+            nonce=self.nonce,
+            settings=tuple(int(v) for v in self.settings),
+            **flags,
+        )
 
     def _refusal(self, e: HealRefused) -> wire.Rejected:
         """A refused healing state, as the round's record lists it (its source, if known, and why)."""
@@ -384,17 +388,7 @@ class RoundProtocol:
         that cannot say which fragment the round holds cannot size its buffer: the attempt fails)."""
         if self.gather is None:
             return False
-        header = wire.Header(
-            island=self.island_id,
-            round=self.transport.rounds_committed(),
-            fragment=-1,
-            weight=0.0,
-            anchor=0,
-            joined=self.joined or 0,
-            nonce=self.nonce,
-            settings=tuple(int(v) for v in self.settings),
-            abstains=True,
-        )
+        header = self._header(-1, 0.0, 0, abstains=True)
         try:
             with waits.timed("exchange"):
                 self.transport.allgather(self.gather.seal(header, []))
