@@ -17,8 +17,8 @@ What it offers:
   (starts the workers and returns process 0's JSON; the coordinator's port
   from :func:`free_port`), :func:`run_worker` and :func:`run_cluster` (a
   script's worker and cluster modes).
-* **A JAX worker.** :func:`configure_jax` (one CPU device and a persistent
-  compilation cache, before JAX starts), :func:`start_distributed`
+* **A JAX worker.** :func:`configure_jax` (one CPU device, and a persistent
+  compilation cache only where asked for, before JAX starts), :func:`start_distributed`
   (``jax.distributed`` with gloo), :func:`world_ops` (a ``psum`` over every
   worker and rows of ones to feed it).
 * **Timing.** :func:`median_time`, :func:`time_rounds` (the timings of one
@@ -316,17 +316,22 @@ def time_method(
 
 
 def configure_jax(devices: int) -> None:
-    """One CPU device per process (set before JAX starts) and a persistent compilation cache."""
+    """One CPU device per process, set before JAX starts.
+
+    A persistent compilation cache only when ``BENCH_NETWORK_CACHE`` names its
+    directory. It is off by default because JAX 0.12.1 hangs a multi-process
+    CPU job (gloo collectives) at the first collective of a program loaded
+    from the cache: every process waits in ``block_until_ready`` for ever,
+    while the same run with an empty cache finishes (JAX 0.10.0 runs either).
+    """
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    cache = os.environ.get(
-        "BENCH_NETWORK_CACHE", str(pathlib.Path(tempfile.gettempdir()) / "bench_network_jax_cache")
-    )
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if cache := os.environ.get("BENCH_NETWORK_CACHE"):
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def start_distributed(jax: Any, args: argparse.Namespace) -> bool:
