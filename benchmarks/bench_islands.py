@@ -23,6 +23,7 @@ are real signals. Five measurements, each printing a table:
    each kind the islands logged against its bound.
 
     python benchmarks/bench_islands.py [--quick] [--json PATH]
+    python benchmarks/bench_islands.py --only soak --aggregate sparseloco --secret  # the soak over the encoded, authenticated wire
 
 Timings are wall-clock on whatever machine runs this, with the islands, the lighthouse and this
 driver sharing its cores; ``--step-sleep`` (0.05 s) stands in for each inner step's accelerator
@@ -982,6 +983,16 @@ def main() -> int:
         help="the islands' outer learning rate (examples/islands.py's)",
     )
     ap.add_argument(
+        "--aggregate",
+        default=None,
+        help="every island's --aggregate (examples/islands.py's: mean, low_bit, sparseloco, ...)",
+    )
+    ap.add_argument(
+        "--secret",
+        action="store_true",
+        help="every island holds one shared secret (examples/islands.py --secret-file)",
+    )
+    ap.add_argument(
         "--utilization-runs",
         default=None,
         metavar="WORDS",
@@ -999,6 +1010,13 @@ def main() -> int:
         COMMON.append("--eager")
     if a.outer_lr is not None:
         COMMON.extend(["--outer-lr", str(a.outer_lr)])
+    if a.aggregate is not None:
+        COMMON.extend(["--aggregate", a.aggregate])
+    if a.secret:
+        secret = os.path.join(workdir, "secret")
+        with open(secret, "wb") as f:
+            f.write(os.urandom(32))
+        COMMON.extend(["--secret-file", secret])
     q = a.quick
     results: dict[str, Any] = {
         "quick": q,
@@ -1007,6 +1025,8 @@ def main() -> int:
         "join_timeout_ms": a.join_timeout_ms,
         "eager": a.eager,
         "outer_lr": a.outer_lr,
+        "aggregate": a.aggregate,
+        "secret": a.secret,
     }
     print(
         f"# bench_islands ({'quick' if q else 'full'}; logs in {workdir}; load average {load()})\n",

@@ -6,7 +6,12 @@ up, optionally shaped with ``tc``). The namespace's loopback ``tx_bytes``
 (``/proc/net/dev``) is read whenever a round's log line appears; bytes per
 round are the counter's growth from the first round to the last, over the
 rounds between (the start-up and the join are left out, the lighthouse's
-heartbeats and quorums are in). Beside them: the formula (a ring all-reduce of
+heartbeats and quorums are in). With ``--separate-hosts`` the lighthouse and
+each island run on a host of their own (``examples/islands_netns.py``: a
+network namespace each, on a bridge, ``--rate`` shaping each host's link);
+the bytes between the islands are what the islands' hosts sent less what the
+lighthouse's host received (its ``eth0`` counters: Ethernet, IP and TCP
+headers included), and the lighthouse's traffic is a column of its own. Beside them: the formula (a ring all-reduce of
 the float32 buffer, ``2 (n - 1) / n`` of it per island, or a ring all-gather of
 the records, ``(n - 1)`` records per island, plus the 4-byte vote), and the
 islands' own ``sent_bytes`` (summed over the islands). With ``--rate`` the
@@ -18,6 +23,7 @@ blocked on, ``--step-sleep`` included) over the median wall time between its
 consecutive round lines, from the first round on (start-up stalls left out).
 
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --aggregates mean,low_bit,sparseloco,muloco
+    sudo python benchmarks/bench_islands_wire.py --hidden 16384 --separate-hosts --aggregates mean,sparseloco
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --rate 100mbit --step-sleep 0.1 \
         --aggregates mean,sparseloco
     python benchmarks/bench_islands_wire.py --secret-cost   # the secret's CPU cost per round alone
@@ -49,26 +55,11 @@ def lo_tx() -> int:
     raise RuntimeError("no loopback in /proc/net/dev")
 
 
-def inside(args: argparse.Namespace) -> None:
-    """Runs in the namespace: one configuration, one JSON line out."""
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    if args.rate:
-        subprocess.run(
-            f"tc qdisc add dev lo root tbf rate {args.rate} burst 256kb latency 2s".split(), check=True
-        )
-    work = tempfile.mkdtemp()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error", "XLA_FLAGS": ""}
-    py, port = sys.executable, "29700"
-    common = ["--lighthouse", f"127.0.0.1:{port}", "--host", "127.0.0.1", "--min-islands", "3"]
-    common += [
-        "--hidden",
-        str(args.hidden),
-        "--sync-every",
-        str(args.sync_every),
-        "--aggregate",
-        args.aggregate,
-    ]
-    common += [
+def _island_flags(args: argparse.Namespace, lighthouse: str, work: str) -> list[str]:
+    """``examples/islands.py``'s flags shared by the 3 islands of one configuration."""
+    flags = ["--lighthouse", lighthouse, "--min-islands", "3", "--hidden", str(args.hidden)]
+    flags += ["--sync-every", str(args.sync_every), "--aggregate", args.aggregate]
+    flags += [
         "--steps",
         str(args.sync_every * (args.rounds + 1)),
         "--timeout",
@@ -76,39 +67,107 @@ def inside(args: argparse.Namespace) -> None:
         "--round-timeout",
         "300",
     ]
-    common += ["--step-sleep", str(args.step_sleep), "--timings", "--quorum-timeout", "300"]
-    common += ["--sync-delay", str(args.sync_delay), "--eval-every", str(args.eval_every)]
+    flags += ["--step-sleep", str(args.step_sleep), "--timings", "--quorum-timeout", "300"]
+    flags += ["--sync-delay", str(args.sync_delay), "--eval-every", str(args.eval_every)]
     if args.secret:
         secret = pathlib.Path(work, "secret")
         secret.write_bytes(os.urandom(32))
-        common += ["--secret-file", str(secret)]
-    lh = subprocess.Popen(
-        [py, str(EXAMPLE), "--serve-lighthouse", f"127.0.0.1:{port}", "--min-islands", "3"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        flags += ["--secret-file", str(secret)]
+    return flags
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error", "XLA_FLAGS": ""}
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def inside(args: argparse.Namespace) -> None:
+    """Runs in the namespace: one configuration, one JSON line out."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    if args.rate:
+        subprocess.run(
+            f"tc qdisc add dev lo root tbf rate {args.rate} burst 256kb latency 2s".split(), check=True
+        )
+    work, py, lighthouse = tempfile.mkdtemp(), sys.executable, "127.0.0.1:29700"
+    lh = _start([py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"])
     time.sleep(2.0)
+    flags = [*_island_flags(args, lighthouse, work), "--host", "127.0.0.1"]
     logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
     procs = [
-        subprocess.Popen(
-            [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]), *common],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        for i in range(3)
+        _start([py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]), *flags]) for i in range(3)
     ]
-    tx: dict[int, int] = {}  # round -> loopback tx_bytes when its last island logged it
+    try:
+        row = _watch(args, procs, logs, lambda: (lo_tx(), 0))
+    finally:
+        lh.kill()
+    print(json.dumps(row))
+
+
+def on_hosts(args: argparse.Namespace) -> dict:
+    """One configuration with the lighthouse and each island on a host of its own
+    (``examples/islands_netns.py``: network namespaces on a bridge, ``--rate`` shaping each host's
+    link). Bytes between the islands: what the islands' hosts sent (``eth0``'s ``tx_bytes``) less
+    what the lighthouse's host received; the lighthouse's own traffic beside it."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import islands_netns
+
+    if problem := islands_netns.problem():
+        raise SystemExit(f"--separate-hosts: {problem}")
+    work, py = tempfile.mkdtemp(), sys.executable
+    with islands_netns.Hosts(4, rate=args.rate) as hosts:
+        lighthouse = f"{hosts.address(0)}:{islands_netns.LIGHTHOUSE_PORT}"
+        serve = [py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"]
+        lh = _start(hosts.command(0, serve))
+        time.sleep(2.0)
+        flags = _island_flags(args, lighthouse, work)
+        logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
+        procs = [
+            _start(hosts.command(i + 1, [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]),
+                                         *flags, "--host", hosts.address(i + 1)]))
+            for i in range(3)
+        ]  # fmt: skip
+
+        def counters() -> tuple[int, int]:
+            stats = [_eth0(name) for name in hosts.names]
+            islands_sent = sum(tx for _, tx in stats[1:])
+            lh_rx, lh_tx = stats[0]
+            return islands_sent - lh_rx, lh_rx + lh_tx
+
+        try:
+            return _watch(args, procs, logs, counters)
+        finally:
+            lh.kill()
+
+
+def _eth0(namespace: str) -> tuple[int, int]:
+    """``(rx_bytes, tx_bytes)`` of ``eth0`` in ``namespace``."""
+    out = subprocess.run(
+        ["ip", "-n", namespace, "-s", "-j", "link", "show", "eth0"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
+
+
+def _watch(args: argparse.Namespace, procs: list, logs: list[pathlib.Path], counters) -> dict:
+    """Reads ``counters()`` (the islands' bytes, the lighthouse's bytes) when the last island logs each
+    round, until the islands end; the configuration's row."""
+    seen: dict[int, tuple[int, int]] = {}  # round -> counters when its last island logged it
     while any(p.poll() is None for p in procs):
         rows = [json.loads(x) for f in logs if f.exists() for x in f.read_text().splitlines() if x]
         for r in range(1, args.rounds + 2):
-            if r not in tx and sum(row.get("round") == r for row in rows) == 3:
-                tx[r] = lo_tx()
+            if r not in seen and sum(row.get("round") == r for row in rows) == 3:
+                seen[r] = counters()
         time.sleep(0.005)
-    lh.kill()
     rows = [json.loads(x) for f in logs for x in f.read_text().splitlines() if x]
-    rounds = sorted(tx)
+    rounds = sorted(seen)
+    if len(rounds) < 2:
+        raise SystemExit(f"fewer than two rounds formed ({rounds}); the islands' logs: {logs}")
     first, last = rounds[0], rounds[-1]
-    per_round = (tx[last] - tx[first]) / (last - first)
+    per_round = (seen[last][0] - seen[first][0]) / (last - first)
+    lighthouse = (seen[last][1] - seen[first][1]) / (last - first)
     sent = [sum(r["sent_bytes"] for r in rows if r.get("round") == k) for k in range(first + 1, last + 1)]
     done = [r for r in rows if r.get("done")]
     steady = []  # per island: a period's compute over the median wall time between its round lines
@@ -121,13 +180,14 @@ def inside(args: argparse.Namespace) -> None:
             per_step = d["compute_seconds"] / d["steps_timed"]  # the step, blocked on, and --step-sleep
             steady.append(args.sync_every * per_step / statistics.median(gaps))
     secs = [r["seconds"] for r in rows if r.get("round", 0) > first]
-    print(json.dumps({
+    return {
         "aggregate": args.aggregate, "secret": args.secret, "rate": args.rate, "rounds": last - first,
-        "kernel_bytes_per_round": per_round, "sent_bytes_per_round": sum(sent) / len(sent),
+        "kernel_bytes_per_round": per_round, "lighthouse_bytes_per_round": lighthouse,
+        "sent_bytes_per_round": sum(sent) / len(sent),
         "rejected": sum(len(r.get("rejected", [])) for r in rows),
         "round_seconds": sum(secs) / max(len(secs), 1),
         "utilisation": [d["compute_seconds"] / d["wall_seconds"] for d in done], "steady": steady,
-    }))  # fmt: skip
+    }  # fmt: skip
 
 
 def secret_cost(aggregate: str, hidden: int, repeats: int = 20) -> dict[str, float]:
@@ -216,6 +276,12 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="stand-in compute per inner step (s)")
     p.add_argument("--secret", action="store_true", help="run with a shared secret")
     p.add_argument(
+        "--separate-hosts",
+        action="store_true",
+        help="the lighthouse and each island on a host of its own (examples/islands_netns.py); "
+        "--rate then shapes each host's link",
+    )
+    p.add_argument(
         "--sync-delay", type=int, default=0, help="inner steps a round may overlap (the example's)"
     )
     p.add_argument("--eval-every", type=int, default=1, help="the example's evaluation, every R rounds")
@@ -242,25 +308,30 @@ def main() -> None:
             )
         return
     print(
-        "| aggregate | secret | kernel bytes/round | formula | sent_bytes | x fewer than mean | s/round "
-        "| utilisation | steady utilisation |"
+        "| aggregate | secret | kernel bytes/round | formula | kernel / formula | sent_bytes | lighthouse "
+        "bytes/round | x fewer than mean | s/round | utilisation | steady utilisation |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     mean = None
     for agg in args.aggregates.split(","):
-        cmd = ["unshare", "--net", sys.executable, __file__, *_rest(args), "--aggregate", agg]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if r.returncode:
-            print(f"| {agg} | failed: {r.stderr[-300:]!r} |")
-            continue
-        row = json.loads(r.stdout.strip().splitlines()[-1])
+        if args.separate_hosts:
+            row = on_hosts(argparse.Namespace(**{**vars(args), "aggregate": agg}))
+        else:
+            cmd = ["unshare", "--net", sys.executable, __file__, *_rest(args), "--aggregate", agg]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if r.returncode:
+                print(f"| {agg} | failed: {r.stderr[-300:]!r} |")
+                continue
+            row = json.loads(r.stdout.strip().splitlines()[-1])
         f = formula(agg, args.hidden, args.secret)
         mean = row["kernel_bytes_per_round"] if agg == "mean" else mean
         ratio = "" if mean is None or agg == "mean" else f"{mean / row['kernel_bytes_per_round']:.1f}"
         util = ", ".join(f"{u:.2f}" for u in row["utilisation"])
+        lh = f"{row['lighthouse_bytes_per_round']:.0f}" if args.separate_hosts else "(in the count)"
         print(
             f"| {agg} | {args.secret} | {row['kernel_bytes_per_round']:.0f} | {f:.0f} | "
-            f"{row['sent_bytes_per_round']:.0f} | {ratio} | {row['round_seconds']:.2f} | {util} | "
+            f"{row['kernel_bytes_per_round'] / f:.3f} | {row['sent_bytes_per_round']:.0f} | "
+            f"{lh} | {ratio} | {row['round_seconds']:.2f} | {util} | "
             f"{', '.join(f'{u:.2f}' for u in row['steady'])} |",
             flush=True,
         )
