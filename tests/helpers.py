@@ -19,6 +19,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -547,6 +548,13 @@ def child_env(devices: int | None = None) -> dict[str, str]:
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a child job's coordinator)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def device_bytes(tree):

@@ -18,7 +18,6 @@ arithmetic in the same order: they agree bit for bit.
 from __future__ import annotations
 
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -39,15 +38,9 @@ TIMEOUT_S = 150  # for all runs together
 TOL = 2e-6
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(local_devices: int, *extra: str) -> dict[str, list[str]]:
     """The arguments of a two-process job on a fresh loopback port, by run name."""
-    port = _free_port()
+    port = helpers.free_port()
     return {
         f"proc{i}_of_2": [
             *("--num-processes", "2", "--process-id", str(i)),
@@ -104,7 +97,7 @@ def _load(path: pathlib.Path) -> dict[str, np.ndarray]:
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path):
     runs = _two_processes(2)
-    runs["gloo_1proc"] = ["--coordinator", f"127.0.0.1:{_free_port()}", "--local-devices", "4"]
+    runs["gloo_1proc"] = ["--coordinator", f"127.0.0.1:{helpers.free_port()}", "--local-devices", "4"]
     runs["inprocess_1proc"] = ["--local-devices", "4"]
     outs = _launch(tmp_path, runs)
     p0, p1 = _load(outs["proc0_of_2"]), _load(outs["proc1_of_2"])

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -51,15 +50,9 @@ TIMEOUT_S = 240  # for the processes of one phase together
 SURVIVOR_MESSAGES = ("a peer process is most likely dead", "detected fatal errors")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _job(tmp: pathlib.Path, name: str, processes: int, *args: str, fault: dict[int, list[str]] | None = None):
     """The command lines of one job (``processes`` processes, each logging to ``<name>_p<i>.jsonl``)."""
-    coordinator = ["--coordinator", f"127.0.0.1:{_free_port()}"] if processes > 1 else []
+    coordinator = ["--coordinator", f"127.0.0.1:{helpers.free_port()}"] if processes > 1 else []
     return {
         f"{name}_p{i}": [
             *("--num-processes", str(processes), "--process-id", str(i), *coordinator),

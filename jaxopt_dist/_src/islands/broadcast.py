@@ -8,12 +8,13 @@ island's processes, which each of them must call in the same order.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxopt_dist._src.islands import merge
+from jaxopt_dist._src.islands import merge, wire
 from jaxopt_dist._src.islands.protocol import Outcome, Waits
 
 
@@ -54,14 +55,15 @@ def outcome_everywhere(o: Outcome | None, templates: tuple[Any, Any], like: Any,
     """
     from jax.experimental import multihost_utils
 
-    meta = np.zeros(6 + 2 * num_slots, np.float32)
+    meta = np.zeros(_HEAD + 2 * num_slots, np.float32)
+    rejected = _rejected_bytes(o.rejected) if o is not None else b""
     if o is not None:
         present = np.zeros(num_slots, np.float32)
         weights = np.zeros(num_slots, np.float32)
         present[o.merged.participants] = 1.0
         weights[o.merged.participants] = o.merged.weights
         head = [o.fragment, o.healed is not None, o.round, o.redone, o.seconds, o.agg_state is not None]
-        meta = np.concatenate([np.asarray(head, np.float32), present, weights])
+        meta = np.concatenate([np.asarray([*head, len(rejected)], np.float32), present, weights])
     meta = np.asarray(multihost_utils.broadcast_one_to_all(meta))
     f, healed = int(meta[0]), bool(meta[1])
     if healed:
@@ -73,12 +75,27 @@ def outcome_everywhere(o: Outcome | None, templates: tuple[Any, Any], like: Any,
     shapes = like(state_for_shapes, f) if f >= 0 else []
     delta = o.merged.delta if o is not None else [np.zeros(x.shape, x.dtype) for x in shapes]
     delta = [np.asarray(x) for x in multihost_utils.broadcast_one_to_all(delta)] if shapes else []
-    slots = [int(i) for i in np.flatnonzero(meta[6 : 6 + num_slots] > 0.5)]
-    merged = merge.Merged(delta, slots, [float(meta[6 + num_slots + i]) for i in slots])
+    slots = [int(i) for i in np.flatnonzero(meta[_HEAD : _HEAD + num_slots] > 0.5)]
+    merged = merge.Merged(delta, slots, [float(meta[_HEAD + num_slots + i]) for i in slots])
     waits = o.waits if o is not None else Waits()
     agg = None
     if meta[5] > 0.5:  # a robust rule's new aggregate state
         zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state_for_shapes.aggregate_states[f])
         agg = multihost_utils.broadcast_one_to_all(o.agg_state if o is not None else zeros)
-    rejected = o.rejected if o is not None else []
-    return Outcome(f, merged, trees, int(meta[2]), int(meta[3]), float(meta[4]), waits, rejected, agg)
+    n = int(meta[6])
+    if n:
+        buf = np.frombuffer(rejected, np.uint8) if o is not None else np.zeros(n, np.uint8)
+        rejected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8))
+    dropped = o.rejected if o is not None else _rejected_list(rejected)
+    return Outcome(f, merged, trees, int(meta[2]), int(meta[3]), float(meta[4]), waits, dropped, agg)
+
+
+_HEAD = 7  # fragment, healed, round, redone, seconds, aggregate state, the rejected list's byte length
+
+
+def _rejected_bytes(rejected: list[wire.Rejected]) -> bytes:
+    return json.dumps([[r.island, r.reason] for r in rejected]).encode()
+
+
+def _rejected_list(data: bytes) -> list[wire.Rejected]:
+    return [wire.Rejected(island, reason) for island, reason in json.loads(data)] if data else []
