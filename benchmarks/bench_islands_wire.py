@@ -18,9 +18,11 @@ islands' own ``sent_bytes`` (summed over the islands). With ``--rate`` the
 loopback is shaped (``tbf``) and the table gives seconds per round and the
 compute utilisation (inner-step seconds, stand-in ``--step-sleep`` included,
 over wall seconds, from the first step to the last: start-up stalls included),
-and the steady one: a period's compute (``H`` times the island's mean step,
-blocked on, ``--step-sleep`` included) over the median wall time between its
-consecutive round lines, from the first round on (start-up stalls left out).
+and the steady one: a period's compute (``H`` times the island's median step,
+blocked on, plus its mean ``--step-sleep``: a step slowed by the round's host
+work beside it counts as the step alone) over the median wall time between
+its consecutive round lines, from the first round on (start-up stalls left
+out).
 
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --aggregates mean,low_bit,sparseloco,muloco
     sudo python benchmarks/bench_islands_wire.py --hidden 16384 --separate-hosts --aggregates mean,sparseloco
@@ -177,7 +179,9 @@ def _watch(args: argparse.Namespace, procs: list, logs: list[pathlib.Path], coun
         )
         gaps = [b - a for a, b in zip(times, times[1:])]
         if gaps and d.get("steps_timed"):
-            per_step = d["compute_seconds"] / d["steps_timed"]  # the step, blocked on, and --step-sleep
+            # the median step, blocked on (a step slowed by the round's host work beside it is not
+            # compute), and --step-sleep
+            per_step = d["step_median_seconds"] + d["sleep_seconds"] / d["steps_timed"]
             steady.append(args.sync_every * per_step / statistics.median(gaps))
     secs = [r["seconds"] for r in rows if r.get("round", 0) > first]
     return {

@@ -57,7 +57,9 @@ round), ``rejected`` (the contributions it dropped: ``{"island", "reason"}``),
 the end a ``{"island", "done": true, "val_loss", "steps", "sharded_leaves",
 "time"}`` line (``sharded_leaves``: the anchor's leaves split over the
 island's devices; with ``--timings`` also ``compute_seconds``,
-``wall_seconds``, ``steps_timed`` and ``logging_seconds``). An island that
+``wall_seconds``, ``steps_timed``, ``step_median_seconds`` (the median inner
+step, blocked on, ``--step-sleep`` not included), ``sleep_seconds`` and
+``logging_seconds``). An island that
 cannot go on (no quorum within ``--quorum-timeout``, a round not committed
 within ``--round-timeout``) writes ``{"island", "error", "time"}`` and exits
 with status 3; one that is refused (its id in use by another live island, or
@@ -94,6 +96,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -496,7 +499,7 @@ class TimedStep:
     """An island's step whose calls are timed (each blocked on until its results are ready)."""
 
     def __init__(self, inner: Any):
-        self.inner, self.seconds = inner, 0.0
+        self.inner, self.seconds, self.each = inner, 0.0, []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -506,7 +509,8 @@ class TimedStep:
 
         start = time.perf_counter()
         out = jax.block_until_ready(self.inner(*args))
-        self.seconds += time.perf_counter() - start
+        self.each.append(time.perf_counter() - start)
+        self.seconds += self.each[-1]
         return out
 
 
@@ -694,7 +698,7 @@ def run_island(args: argparse.Namespace) -> int:
         t = island.step_count(opt_state)
         start, slept, taken = time.perf_counter(), 0.0, 0
         if args.timings:
-            island.step.seconds = 0.0  # the warm-up's compile is not an inner step
+            island.step.seconds, island.step.each = 0.0, []  # the warm-up's compile is not an inner step
         while t < target_steps(args):
             batch = setup.batch_for(args.island_id, t)
             params, opt_state, _ = island(params, opt_state, batch)
@@ -709,6 +713,8 @@ def run_island(args: argparse.Namespace) -> int:
                 "compute_seconds": island.step.seconds + slept,
                 "wall_seconds": time.perf_counter() - start,
                 "steps_timed": taken,
+                "step_median_seconds": statistics.median(island.step.each) if island.step.each else 0.0,
+                "sleep_seconds": slept,
                 "logging_seconds": logging_seconds[0],
             }
         island.finish()
