@@ -78,9 +78,11 @@ def _island_flags(args: argparse.Namespace, lighthouse: str, work: str) -> list[
     return flags
 
 
-def _start(argv: list[str]) -> subprocess.Popen:
+def _start(argv: list[str], err: pathlib.Path) -> subprocess.Popen:
+    """``argv`` started, its standard error to ``err`` (kept with the islands' logs)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "RUST_LOG": "error", "XLA_FLAGS": ""}
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(err, "w") as f:
+        return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=f)
 
 
 def inside(args: argparse.Namespace) -> None:
@@ -91,12 +93,19 @@ def inside(args: argparse.Namespace) -> None:
             f"tc qdisc add dev lo root tbf rate {args.rate} burst 256kb latency 2s".split(), check=True
         )
     work, py, lighthouse = tempfile.mkdtemp(), sys.executable, "127.0.0.1:29700"
-    lh = _start([py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"])
+    lh = _start(
+        [py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"],
+        pathlib.Path(work, "lighthouse.err"),
+    )
     time.sleep(2.0)
     flags = [*_island_flags(args, lighthouse, work), "--host", "127.0.0.1"]
     logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
     procs = [
-        _start([py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]), *flags]) for i in range(3)
+        _start(
+            [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]), *flags],
+            logs[i].with_suffix(".err"),
+        )
+        for i in range(3)
     ]
     try:
         row = _watch(args, procs, logs, lambda: (lo_tx(), 0))
@@ -119,13 +128,13 @@ def on_hosts(args: argparse.Namespace) -> dict:
     with islands_netns.Hosts(4, rate=args.rate) as hosts:
         lighthouse = f"{hosts.address(0)}:{islands_netns.LIGHTHOUSE_PORT}"
         serve = [py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"]
-        lh = _start(hosts.command(0, serve))
+        lh = _start(hosts.command(0, serve), pathlib.Path(work, "lighthouse.err"))
         time.sleep(2.0)
         flags = _island_flags(args, lighthouse, work)
         logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
         procs = [
             _start(hosts.command(i + 1, [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]),
-                                         *flags, "--host", hosts.address(i + 1)]))
+                                         *flags, "--host", hosts.address(i + 1)]), logs[i].with_suffix(".err"))
             for i in range(3)
         ]  # fmt: skip
 
@@ -187,6 +196,7 @@ def _watch(args: argparse.Namespace, procs: list, logs: list[pathlib.Path], coun
     return {
         "aggregate": args.aggregate, "secret": args.secret, "rate": args.rate, "rounds": last - first,
         "kernel_bytes_per_round": per_round, "lighthouse_bytes_per_round": lighthouse,
+        "logs": str(logs[0].parent),
         "sent_bytes_per_round": sum(sent) / len(sent),
         "rejected": sum(len(r.get("rejected", [])) for r in rows),
         "round_seconds": sum(secs) / max(len(secs), 1),
@@ -339,6 +349,7 @@ def main() -> None:
             f"{', '.join(f'{u:.2f}' for u in row['steady'])} |",
             flush=True,
         )
+        print(f"{agg}: the islands' logs in {row['logs']}", file=sys.stderr, flush=True)
 
 
 def _rest(args: argparse.Namespace) -> list[str]:
