@@ -122,8 +122,9 @@ def test_fault_free_eager_islands_match_in_process_diloco(tmp_path):
     eager diloco's worker i's, and the islands agree on the merged mean. (Plain DiLoCo: on separate
     hosts, below.)"""
     steps, extra = 4 * H, ["--eager"]
+    timed = ["--timings", "--step-sleep", "0.01"]
     cluster = _cluster(
-        tmp_path, min_islands=3, extra=["--steps", str(steps), "--anchors-dir", str(tmp_path), *extra]
+        tmp_path, min_islands=3, extra=["--steps", str(steps), "--anchors-dir", str(tmp_path), *extra, *timed]
     )
     cluster.start_lighthouse()
     for i in range(3):
@@ -132,6 +133,9 @@ def test_fault_free_eager_islands_match_in_process_diloco(tmp_path):
     rows = cluster.rows()
     assert not hung and chaos.summarize(rows, hung)["errors"] == []
     _within_bounds(rows)
+    for d in [r for r in rows if r.get("done")]:  # --timings: the inner steps, each timed, and the sleeps
+        assert d["steps_timed"] > 0 and 0 < d["step_median_seconds"] < d["compute_seconds"], d
+        assert d["sleep_seconds"] >= 0.01 * d["steps_timed"] and d["wall_seconds"] >= d["compute_seconds"], d
     ref = _reference_anchors(3, steps, extra)
     for r in _rounds(rows):
         assert r["participants"] == ["0", "1", "2"] and r["weights"] == [1.0, 1.0, 1.0], r
