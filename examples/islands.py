@@ -47,7 +47,9 @@ string), ``round``, ``step``, ``fragment``, ``participants`` (ids, strings),
 ``weights``, ``healed``, ``redone``, ``seconds`` (the round, from its first
 quorum to its commit), ``quorum_seconds``, ``heal_seconds``,
 ``exchange_seconds`` and ``vote_seconds`` (the longest wait of each kind in the
-round), ``backoff_seconds`` (the pauses between its attempts),
+round), ``backoff_seconds`` (the pauses between its attempts), ``waited``
+(the seconds the island waited for the round to form: its quorum waits in
+every attempt together),
 ``anchor_sha256``, ``agreed_sha256`` (what every member holds bit-identical:
 the anchor, or under ``--eager``, where each island's anchor is its own row,
 the merged mean), ``sent_bytes`` (what the island put on the wire in the
@@ -225,6 +227,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anchors-dir", default=None, help="save the anchor after each round here (round<R>.npz)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per inner step")
     p.add_argument(
+        "--slow",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="this island's extra work per inner step is FACTOR times --step-sleep (a slower island; "
+        "needs --step-sleep > 0)",
+    )
+    p.add_argument(
         "--eval-every",
         type=int,
         default=1,
@@ -271,6 +281,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--eager takes --sync-delay 0: its exchange already overlaps a whole period")
     if args.eager and args.aggregate.partition(":")[0] in ROBUST:
         p.error("--eager takes no robust --aggregate: its own fresh pseudo-gradient would pass unscreened")
+    if not args.slow >= 1.0:
+        p.error(f"--slow must be >= 1 (a factor on --step-sleep); got {args.slow:g}")
+    if args.slow != 1.0 and not args.step_sleep > 0:
+        p.error("--slow multiplies --step-sleep: give --step-sleep > 0 too")
     if args.byzantine is not None and args.num_processes > 1:
         p.error("--byzantine runs on an island of one process")
     if args.serve_lighthouse is None and (args.island_id is None or args.lighthouse is None):
@@ -636,6 +650,7 @@ def run_island(args: argparse.Namespace) -> int:
             exchange_seconds=round(rec.exchange_seconds, 4),
             vote_seconds=round(rec.vote_seconds, 4),
             backoff_seconds=round(rec.backoff_seconds, 4),
+            waited=round(rec.waited_seconds, 4),
             sent_bytes=int(rec.sent_bytes) - sent_before[0],
             rejected=[{"island": r[0], "reason": r[1]} for r in rec.rejected],
             anchor_sha256=rec.anchor_sha256,
@@ -705,7 +720,7 @@ def run_island(args: argparse.Namespace) -> int:
             taken += 1
             if args.step_sleep:
                 nap = time.perf_counter()
-                time.sleep(args.step_sleep)
+                time.sleep(args.step_sleep * args.slow)
                 slept += time.perf_counter() - nap
             t = island.step_count(opt_state)
         if args.timings:

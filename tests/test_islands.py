@@ -19,6 +19,7 @@ import pytest
 
 import jaxopt_dist as jd
 from jaxopt_dist import islands
+from jaxopt_dist._src.islands import protocol
 from tests import helpers
 
 N, H = 3, 4
@@ -1074,3 +1075,49 @@ def test_an_island_without_the_secret_cannot_heal_nor_hold_the_others_back():
         assert [r.round for r, _ in out[i]] == list(range(1, steps // H + 1))
         assert all(r.redone == 0 and r.participants == (0, 1) for r, _ in out[i])
     assert [r.anchor_sha256 for r, _ in out[0]] == [r.anchor_sha256 for r, _ in out[1]]
+
+
+def test_a_round_logs_how_long_its_island_waited_for_it_to_form():
+    """Island 1 pauses 0.1 s after each inner step, island 0 not at all: each round after the first,
+    island 0 waits for island 1 about H x 0.1 s (``waited_seconds``, at least its longest quorum wait),
+    and island 1, the last to ask, hardly waits."""
+    make_tx, steps = _maker({}), 4 * H
+    hub, out = islands.LocalHub(min_islands=2, join_timeout=10.0, timeout=10.0), {}
+    pauses = [0.0, 0.1]
+    _run_threads(
+        [(_island_thread, (i, make_tx, hub.transport(), steps, out), dict(pause=pauses[i])) for i in range(2)]
+    )
+    for i in range(2):
+        for rec, _ in out[i]:
+            assert rec.waited_seconds >= rec.quorum_seconds >= 0.0, rec
+    later = [[rec for rec, _ in out[i] if rec.round >= 2] for i in range(2)]
+    assert len(later[0]) == len(later[1]) == steps // H - 1
+    assert all(r.waited_seconds >= 0.5 * H * pauses[1] for r in later[0]), [
+        r.waited_seconds for r in later[0]
+    ]
+    assert max(r.waited_seconds for r in later[1]) < min(r.waited_seconds for r in later[0])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--slow", "0.5", "--step-sleep", "0.1"], "--slow must be >= 1"),
+        (["--slow", "2"], "--step-sleep > 0"),
+    ],
+)
+def test_the_example_refuses_a_slow_factor_it_cannot_apply(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        EXAMPLE.parse_args(["--island-id", "0", "--lighthouse", "127.0.0.1:1", *flags])
+    assert message in capsys.readouterr().err
+    args = EXAMPLE.parse_args(
+        ["--island-id", "0", "--lighthouse", "127.0.0.1:1", "--slow", "2", "--step-sleep", "0.1"]
+    )
+    assert args.slow == 2.0
+
+
+def test_waited_adds_every_quorum_wait_of_a_round_where_quorum_seconds_keeps_the_longest():
+    waits = protocol.Waits()
+    for seconds in (0.5, 2.0, 0.25):
+        waits.note("quorum", seconds)
+    waits.note("heal", 3.0)
+    assert (waits.quorum, waits.waited, waits.heal) == (2.0, 2.75, 3.0)

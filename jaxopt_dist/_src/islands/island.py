@@ -56,6 +56,8 @@ class SyncRecord:
       exchange_seconds: the longest all-reduce in the round.
       vote_seconds: the longest commit vote in the round.
       backoff_seconds: the pauses between the round's attempts, together.
+      waited_seconds: how long this island waited for the round to form: its
+        quorum waits in every attempt of the round together (heals excluded).
       rejected: the contributions this island dropped in the round, and the
         healing states it refused in it, as ``(island id or None, reason)``
         (a tag missing or wrong under the shared secret, a header that lies
@@ -80,6 +82,7 @@ class SyncRecord:
     exchange_seconds: float = 0.0
     vote_seconds: float = 0.0
     backoff_seconds: float = 0.0
+    waited_seconds: float = 0.0
     rejected: tuple[tuple[int | None, str], ...] = ()
     sent_bytes: int = 0
 
@@ -405,6 +408,7 @@ class Island:
             exchange_seconds=w.exchange,
             vote_seconds=w.vote,
             backoff_seconds=w.backoff,
+            waited_seconds=w.waited,
             rejected=tuple((r.island, r.reason) for r in o.rejected),
             sent_bytes=self.transport.sent_bytes() if self._lead else 0,
         )

@@ -177,19 +177,22 @@ class Adopted(NamedTuple):
 @dataclasses.dataclass
 class Waits:
     """The longest wait of each kind in one round (seconds), failed ones included; ``backoff``: all
-    pauses together."""
+    pauses together; ``waited``: every quorum wait together (how long the round took to form)."""
 
     quorum: float = 0.0
     heal: float = 0.0
     exchange: float = 0.0
     vote: float = 0.0
     backoff: float = 0.0
+    waited: float = 0.0
 
     def note(self, kind: str, seconds: float) -> None:
         if kind == "backoff":
             self.backoff += seconds
         else:
             setattr(self, kind, max(getattr(self, kind), seconds))
+        if kind == "quorum":
+            self.waited += seconds
 
     @contextlib.contextmanager
     def timed(self, kind: str) -> Iterator[None]:
