@@ -92,25 +92,7 @@ def inside(args: argparse.Namespace) -> None:
         subprocess.run(
             f"tc qdisc add dev lo root tbf rate {args.rate} burst 256kb latency 2s".split(), check=True
         )
-    work, py, lighthouse = tempfile.mkdtemp(), sys.executable, "127.0.0.1:29700"
-    lh = _start(
-        [py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"],
-        pathlib.Path(work, "lighthouse.err"),
-    )
-    time.sleep(2.0)
-    flags = [*_island_flags(args, lighthouse, work), "--host", "127.0.0.1"]
-    logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
-    procs = [
-        _start(
-            [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]), *flags],
-            logs[i].with_suffix(".err"),
-        )
-        for i in range(3)
-    ]
-    try:
-        row = _watch(args, procs, logs, lambda: (lo_tx(), 0))
-    finally:
-        lh.kill()
+    row = _run(args, "127.0.0.1:29700", lambda k, argv: argv, lambda i: "127.0.0.1", lambda: (lo_tx(), 0))
     print(json.dumps(row))
 
 
@@ -124,30 +106,40 @@ def on_hosts(args: argparse.Namespace) -> dict:
 
     if problem := islands_netns.problem():
         raise SystemExit(f"--separate-hosts: {problem}")
-    work, py = tempfile.mkdtemp(), sys.executable
     with islands_netns.Hosts(4, rate=args.rate) as hosts:
-        lighthouse = f"{hosts.address(0)}:{islands_netns.LIGHTHOUSE_PORT}"
-        serve = [py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"]
-        lh = _start(hosts.command(0, serve), pathlib.Path(work, "lighthouse.err"))
-        time.sleep(2.0)
-        flags = _island_flags(args, lighthouse, work)
-        logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
-        procs = [
-            _start(hosts.command(i + 1, [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]),
-                                         *flags, "--host", hosts.address(i + 1)]), logs[i].with_suffix(".err"))
-            for i in range(3)
-        ]  # fmt: skip
 
         def counters() -> tuple[int, int]:
             stats = [_eth0(name) for name in hosts.names]
-            islands_sent = sum(tx for _, tx in stats[1:])
             lh_rx, lh_tx = stats[0]
-            return islands_sent - lh_rx, lh_rx + lh_tx
+            return sum(tx for _, tx in stats[1:]) - lh_rx, lh_rx + lh_tx
 
-        try:
-            return _watch(args, procs, logs, counters)
-        finally:
-            lh.kill()
+        lighthouse = f"{hosts.address(0)}:{islands_netns.LIGHTHOUSE_PORT}"
+        return _run(args, lighthouse, hosts.command, lambda i: hosts.address(i + 1), counters)
+
+
+def _run(args: argparse.Namespace, lighthouse: str, on_host, address, counters) -> dict:
+    """The lighthouse on host 0 and island ``i`` on host ``i + 1`` (``on_host(k, argv)``: ``argv`` run
+    on host ``k``; ``address(i)``: island ``i``'s ``--host``), watched until the islands end (see
+    :func:`_watch`); the configuration's row."""
+    work, py = tempfile.mkdtemp(), sys.executable
+    serve = [py, str(EXAMPLE), "--serve-lighthouse", lighthouse, "--min-islands", "3"]
+    lh = _start(on_host(0, serve), pathlib.Path(work, "lighthouse.err"))
+    time.sleep(2.0)
+    flags = _island_flags(args, lighthouse, work)
+    logs = [pathlib.Path(work, f"island{i}.jsonl") for i in range(3)]
+    procs = [
+        _start(
+            on_host(i + 1, [py, str(EXAMPLE), "--island-id", str(i), "--log", str(logs[i]), *flags,
+                            "--host", address(i)]),
+            logs[i].with_suffix(".err"),
+        )
+        for i in range(3)
+    ]  # fmt: skip
+    try:
+        return _watch(args, procs, logs, counters)
+    finally:
+        for proc in [*procs, lh]:
+            proc.kill()
 
 
 def _eth0(namespace: str) -> tuple[int, int]:

@@ -56,14 +56,14 @@ def outcome_everywhere(o: Outcome | None, templates: tuple[Any, Any], like: Any,
     from jax.experimental import multihost_utils
 
     meta = np.zeros(_HEAD + 2 * num_slots, np.float32)
-    rejected = _rejected_bytes(o.rejected) if o is not None else b""
+    encoded = _rejected_bytes(o.rejected) if o is not None else b""
     if o is not None:
         present = np.zeros(num_slots, np.float32)
         weights = np.zeros(num_slots, np.float32)
         present[o.merged.participants] = 1.0
         weights[o.merged.participants] = o.merged.weights
         head = [o.fragment, o.healed is not None, o.round, o.redone, o.seconds, o.agg_state is not None]
-        meta = np.concatenate([np.asarray([*head, len(rejected)], np.float32), present, weights])
+        meta = np.concatenate([np.asarray([*head, len(encoded)], np.float32), present, weights])
     meta = np.asarray(multihost_utils.broadcast_one_to_all(meta))
     f, healed = int(meta[0]), bool(meta[1])
     if healed:
@@ -82,12 +82,11 @@ def outcome_everywhere(o: Outcome | None, templates: tuple[Any, Any], like: Any,
     if meta[5] > 0.5:  # a robust rule's new aggregate state
         zeros = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state_for_shapes.aggregate_states[f])
         agg = multihost_utils.broadcast_one_to_all(o.agg_state if o is not None else zeros)
-    n = int(meta[6])
-    if n:
-        buf = np.frombuffer(rejected, np.uint8) if o is not None else np.zeros(n, np.uint8)
-        rejected = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8))
-    dropped = o.rejected if o is not None else _rejected_list(rejected)
-    return Outcome(f, merged, trees, int(meta[2]), int(meta[3]), float(meta[4]), waits, dropped, agg)
+    if n := int(meta[6]):  # the rejected list, as JSON bytes
+        buf = np.frombuffer(encoded, np.uint8) if o is not None else np.zeros(n, np.uint8)
+        encoded = bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8))
+    rejected = o.rejected if o is not None else _rejected_list(encoded)
+    return Outcome(f, merged, trees, int(meta[2]), int(meta[3]), float(meta[4]), waits, rejected, agg)
 
 
 _HEAD = 7  # fragment, healed, round, redone, seconds, aggregate state, the rejected list's byte length
