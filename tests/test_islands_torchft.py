@@ -401,23 +401,25 @@ stop, out = threading.Event(), {}
 
 def island(i, commits, fall_behind=False):
     # attempts as the round protocol makes them (quorum, all-reduce, vote) until `commits` commit
-    t = TorchftTransport(address, timeout=0.5, heal_timeout=20.0, host="127.0.0.1")
+    t = TorchftTransport(address, timeout=0.5, heal_timeout=20.0, roll_call=1.0, host="127.0.0.1")
     t.bind(i, lambda: state)
     done = out.setdefault(f"commits{i}", [])
     heals = out.setdefault(f"heals{i}", [])
     while len(done) < commits and not (stop.is_set() and done):
         if fall_behind and len(done) == commits - 1 and len(heals) == 1:
             t.fall_behind()  # as a member whose anchor left the majority's: it heals again
-        healed = t.quorum(30.0)
-        if healed is not None:
-            heals.append({"seconds": healed.seconds, "bytes": int(healed.state["params"][0].nbytes)})
         try:
+            healed = t.quorum(30.0)
+            if healed is not None:
+                heals.append({"seconds": healed.seconds, "bytes": int(healed.state["params"][0].nbytes)})
             t.allreduce(np.ones(4, np.float32))
             ok = True
-        except islands.ExchangeError:  # a member still healing: the attempt is redone
-            ok = False
+        except islands.ExchangeError:  # the attempt is redone
+            healed, ok = None, False
         if t.commit(ok):
             done.append(t.rounds_committed())
+            if healed is not None:
+                heals[-1]["committed"] = True
     t.close()
 
 sources = [threading.Thread(target=island, args=(i, 10**6)) for i in (0, 1)]
@@ -451,7 +453,9 @@ def _script_output(cmd: list[str]) -> dict:
 def test_a_heal_may_take_longer_than_the_exchange_timeout():
     """A heal has a timeout of its own: 4 MB over a 16 Mbit/s link (2 s) heals with a 0.5 s exchange
     timeout, and the rounds around it commit (in a network namespace, its loopback shaped with tc).
-    An island that falls behind (its anchor left the majority's) heals again in its next quorum."""
+    An island that falls behind (its anchor left the majority's) heals again in its next quorum.
+    The others wait for a healing member at the roll call (1 s, and the heal's 20 s more), so the
+    attempt it heals in commits."""
     why = netns.problem() or (None if shutil.which("tc") and shutil.which("unshare") else "no tc or unshare")
     if why is not None:
         if REQUIRED:
@@ -460,9 +464,27 @@ def test_a_heal_may_take_longer_than_the_exchange_timeout():
     out = _script_output(["unshare", "--net", sys.executable, "-c", _HEAL_SCRIPT])
     heals = out["heals2"]  # its join, and again after it fell behind (fall_behind)
     assert len(heals) == 2 and all(h["bytes"] == 4_000_000 and 1.0 < h["seconds"] < 20.0 for h in heals), out
+    assert all(h.get("committed") for h in heals), out
     assert len(out["commits2"]) == 3, out
     for committed in out["commits2"]:  # every round island 2 committed, the others committed too
         assert committed in out["commits0"] and committed in out["commits1"], out
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["a later round", "the first round"])
+def test_an_island_counted_in_but_absent_fails_the_attempt_in_seconds(first):
+    """The lighthouse forms a quorum with an island's abandoned request (tests/_islands_roll_call.py).
+    The others find it missing within the 1 s roll call, or the 1 s a new quorum's process group has
+    to connect, not after the exchange's 20 s; the attempt is redone with all three, who commit it."""
+    script = os.path.join(os.path.dirname(__file__), "_islands_roll_call.py")
+    out = _script_output([sys.executable, script, "1" if first else "0"])
+    assert out["2"][1 - first] == {"abandoned": "TimeoutError"}, out  # nobody else was asking
+    for i in ("0", "1"):
+        missed, redone = out[i][1 - first :]
+        assert not missed["committed"] and missed["seconds"] < 8.0, out
+        assert (
+            "wait timeout after 1000ms" if first else "did not answer the roll call within 1 s"
+        ) in missed["error"], out
+        assert redone["committed"] and redone["round"] == out["2"][-1]["round"] == 2 - first, out
 
 
 _REASONS = {

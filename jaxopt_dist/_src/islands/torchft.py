@@ -56,6 +56,17 @@ class TorchftTransport(Transport):
     later, round after round (each left-out island then heals, weighing 0).
     A renewed request is never old, so the lighthouse waits its join timeout
     for the others, who then all come in.
+
+    A renewal leaves the request it replaces at the lighthouse for a moment,
+    and a quorum the lighthouse forms in that moment counts the island in
+    while the island asks for the next one. So every attempt opens with a
+    roll call, a one-number all-reduce among the quorum's members that each
+    must answer within ``roll_call`` seconds (``heal_timeout`` more where a
+    member heals in the quorum, since it answers after its heal), and the
+    process group of a new quorum must connect within ``roll_call`` seconds.
+    A member counted in but absent fails the attempt in seconds, where the
+    exchange would wait its whole ``timeout``; the attempt is redone in a new
+    quorum.
     """
 
     lighthouse: str
@@ -66,6 +77,7 @@ class TorchftTransport(Transport):
     connect_timeout: float = 10.0
     quorum_retries: int = 0
     requery: float = 0.5
+    roll_call: float | None = None
     host: str | None = None
     secret: bytes | None = None
     _sent: int = dataclasses.field(default=0, init=False, repr=False)
@@ -78,7 +90,9 @@ class TorchftTransport(Transport):
     _issued: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __post_init__(self):
-        for name in ("timeout", "heal_timeout", "quorum_timeout", "connect_timeout", "requery"):
+        if self.roll_call is None:
+            self.roll_call = min(5.0, self.timeout)
+        for name in ("timeout", "heal_timeout", "quorum_timeout", "connect_timeout", "requery", "roll_call"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be > 0 seconds; got {getattr(self, name)}.")
         self.secret = wire.check_secret(self.secret)
@@ -101,7 +115,7 @@ class TorchftTransport(Transport):
             host, port, is_master=True, wait_for_workers=False, master_listen_fd=self._listener.fileno()
         )
         seconds = timedelta(seconds=self.timeout)
-        self._pg = _bound_gloo(host, seconds)
+        self._pg = _bound_gloo(host, seconds, connect=timedelta(seconds=float(self.roll_call)))
         if expect is not None:  # torchft's Manager serves the island's state under "user/default"
             expect = expect._replace(prefix="user/default/")
         self._healing = _healing_transport(host, self.heal_timeout, island_id, self.secret, expect)
@@ -125,6 +139,7 @@ class TorchftTransport(Transport):
             init_sync=False,
             quorum_retries=self.quorum_retries,
         )
+        self._manager._client = _Recording(self._manager._client)
 
     def _received_state(self, state: Any) -> None:
         """torchft's ``load_state_dict``: kept until :meth:`quorum` knows whether the heal is real."""
@@ -157,6 +172,7 @@ class TorchftTransport(Transport):
                     raise IslandsError(
                         f"no quorum of islands within {min(self.quorum_timeout, timeout):g} s: {e}"
                     ) from e
+        self._answer_roll_call(before, able=not self._manager.errored() or self._refused() is not None)
         if self._manager.errored():
             if self._refused() is not None:  # the heal was refused: the island may still abstain
                 raise self._refused()
@@ -166,6 +182,35 @@ class TorchftTransport(Transport):
             return None
         seconds = self._healing.seconds if self._healing is not None else 0.0
         return Healed(received, seconds)
+
+    def _answer_roll_call(self, before: int, able: bool) -> None:
+        """The attempt's roll call (see the class): every member answers whether it can go on (``able``:
+        its quorum and any heal went through, or the heal was refused and it abstains). Where a member
+        does not answer in time, or cannot go on, an ``able`` member raises :class:`ExchangeError`,
+        having reported the failure so that the attempt does not commit, and leaves a heal of this
+        attempt unadopted: the island is put back at its step ``before`` it, to heal again."""
+        torch = _optional("torch")
+        dist = _optional("torch.distributed")
+        seconds = float(self.roll_call) + (self.heal_timeout if self._manager._client.heals else 0.0)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = timedelta(seconds=seconds)
+        unable = torch.tensor([0.0 if able else 1.0])
+        self._sent += ring_bytes(4, int(self._manager.num_participants()), gather=False)
+        try:
+            self._pg.allreduce([unable], opts).wait()
+            why = (
+                f"{float(unable[0]):g} member(s) of the quorum failed their quorum or heal"
+                if unable[0]
+                else None
+            )
+        except Exception as e:  # a member counted in the quorum is not there
+            why = f"a member of the quorum did not answer the roll call within {seconds:g} s: {e!r}"
+        if able and why is not None:
+            self._manager.report_error(RuntimeError(why))
+            if self._manager.current_step() != before:
+                self._manager.load_state_dict({**self._manager.state_dict(), "step": before})
+            raise ExchangeError(why)
 
     def allreduce(self, buf: np.ndarray) -> np.ndarray:
         torch = _optional("torch")
@@ -269,12 +314,31 @@ def _listen(host: str) -> socket.socket:
     return s
 
 
-def _bound_gloo(host: str, timeout: timedelta) -> Any:
+class _Recording:
+    """The ``Manager``'s client to its server, keeping whether a member heals in the last quorum."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.heals = False
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.heals = False
+        quorum = self._client._quorum(*args, **kwargs)
+        self.heals = quorum.max_world_size < quorum.replica_world_size  # not every member at its step
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _bound_gloo(host: str, timeout: timedelta, connect: timedelta) -> Any:
     """torchft's reconfigurable ``ProcessGroupGloo``, its gloo device bound to ``host``.
 
     torchft builds each new group with gloo's default device, which binds the
     address the machine's host name resolves to (often 127.0.0.1), and
-    advertises it to the peers through the store.
+    advertises it to the peers through the store. A new group's members must
+    connect within ``connect``; its collectives have ``timeout`` unless
+    they set their own.
     """
     dist = _optional("torch.distributed")
     torch = _optional("torch")
@@ -284,7 +348,7 @@ def _bound_gloo(host: str, timeout: timedelta) -> Any:
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
             opts = dist.ProcessGroupGloo._Options()
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            opts._timeout = self._timeout
+            opts._timeout = connect  # the collectives' default, overridden in _opts_hook
             opts._threads = 2
             backend = dist.ProcessGroupGloo(store, rank, world_size, opts)
             backend._set_sequence_number_for_group()
@@ -292,6 +356,11 @@ def _bound_gloo(host: str, timeout: timedelta) -> Any:
             pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
             pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
             return pg
+
+        def _opts_hook(self, opts: Any) -> Any:
+            if isinstance(getattr(opts, "timeout", None), timedelta) and opts.timeout < timedelta(0):
+                opts.timeout = self._timeout  # unset: the exchange's timeout, not the connect's
+            return opts
 
     return BoundGloo(timeout=timeout)
 
