@@ -57,11 +57,11 @@ def torchft_transport(lighthouse: str, **options: Any) -> Transport:
         while the lighthouse restarts; default 0), ``requery`` (seconds
         between renewals of a waiting quorum request, below the lighthouse's
         join timeout; default 0.5), ``roll_call`` (seconds within which every
-        member of a quorum answers the one-number roll call that opens each
-        attempt, and a new quorum's process group connects; a member that
-        heals in the quorum has ``heal_timeout`` more. An island counted in
-        but absent thus fails the attempt in seconds, not after ``timeout``;
-        default: 5 or ``timeout``, whichever is shorter), ``secret`` (the islands' shared secret,
+        member of a quorum answers the one-number roll call that closes it (a
+        healing member before its download), and a new quorum's process group
+        connects: an island counted in but absent fails the attempt in
+        seconds, not after ``timeout`` or ``heal_timeout``; default 5, or
+        ``timeout`` where shorter), ``secret`` (the islands' shared secret,
         bytes of at least 16, e.g. :func:`read_secret`: every contribution
         and healing response carries its HMAC-SHA256 tag, those without it
         are dropped or refused, and the float32 mean goes over the gather

@@ -4,9 +4,12 @@ Three islands (threads of this process, each with its own torchft ``Manager``, p
 healing server on 127.0.0.1) make attempts as the round protocol does: quorum (with its roll call),
 all-reduce, vote. Island 2 asks for a quorum and abandons the request (its client times out while the
 others wait), then comes back 3 s later; islands 0 and 1 ask in between, and the lighthouse forms
-their quorum with island 2's abandoned request. ``argv[1]``: ``1`` where that is the first round (a
-new quorum, whose process group must connect), ``0`` where a round of all three came first (the same
-quorum again: the roll call finds island 2 missing). One JSON line: each island's attempts.
+their quorum with island 2's abandoned request. ``argv[1]``: ``first`` where that is the first round
+(a new quorum, whose process group must connect), ``later`` where a round of all three came first
+(the same quorum again: the roll call finds island 2 missing), ``older-step`` as ``later`` but the
+abandoned request carries the step island 2 had before that round (as a renewal sent before a round
+committed can), so that the quorum looks as if island 2 heals in it. One JSON line: each island's
+attempts.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def abandon(t: TorchftTransport) -> str:
         return type(e).__name__
 
 
-def main(first: bool) -> None:
+def main(mode: str) -> None:
+    first = mode == "first"
     lighthouse = islands.start_lighthouse("127.0.0.1:0", min_islands=2, join_timeout_ms=1000)
     address = lighthouse.address().split("//")[-1]
     state = {"params": [np.ones(8, np.float32)], "opt_state": [np.zeros(3, np.float32)]}
@@ -66,7 +70,11 @@ def main(first: bool) -> None:
         if not first:
             rows.append(attempt(ts[i]))  # a round of all three
         if i == 2:
+            manager = ts[2]._manager
+            if mode == "older-step":
+                ts[2].fall_behind()  # its request carries the step before the round: 0
             rows.append({"abandoned": abandon(ts[2])})
+            manager.load_state_dict({**manager.state_dict(), "step": 1 - first})
             asked.set()
             time.sleep(3.0)
         else:
@@ -90,4 +98,4 @@ def main(first: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] == "1")
+    main(sys.argv[1])

@@ -57,16 +57,16 @@ class TorchftTransport(Transport):
     A renewed request is never old, so the lighthouse waits its join timeout
     for the others, who then all come in.
 
-    A renewal leaves the request it replaces at the lighthouse for a moment,
-    and a quorum the lighthouse forms in that moment counts the island in
-    while the island asks for the next one. So every attempt opens with a
-    roll call, a one-number all-reduce among the quorum's members that each
-    must answer within ``roll_call`` seconds (``heal_timeout`` more where a
-    member heals in the quorum, since it answers after its heal), and the
-    process group of a new quorum must connect within ``roll_call`` seconds.
-    A member counted in but absent fails the attempt in seconds, where the
-    exchange would wait its whole ``timeout``; the attempt is redone in a new
-    quorum.
+    A renewal can leave a request it replaced at the lighthouse, and a quorum
+    formed with it counts the island in (with the step it had then) while the
+    island asks for the next one. So every attempt opens with a roll call: a
+    one-number all-reduce among the quorum's members, each saying whether it
+    can go on, answered within ``roll_call`` seconds (a healing member answers
+    before it downloads), and a new quorum's process group must connect
+    within ``roll_call`` seconds too. A member counted in but absent fails the
+    attempt in seconds, where the exchange would wait its whole ``timeout``,
+    and the attempt is redone in a new quorum. Where a member heals, a second
+    call waits for its heal to end (``heal_timeout`` more).
     """
 
     lighthouse: str
@@ -88,6 +88,8 @@ class TorchftTransport(Transport):
     _healing: Any = dataclasses.field(default=None, init=False, repr=False)
     _received: Any = dataclasses.field(default=None, init=False, repr=False)
     _issued: bool = dataclasses.field(default=False, init=False, repr=False)
+    _answered: bool = dataclasses.field(default=False, init=False, repr=False)
+    _absent: str | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.roll_call is None:
@@ -119,6 +121,7 @@ class TorchftTransport(Transport):
         if expect is not None:  # torchft's Manager serves the island's state under "user/default"
             expect = expect._replace(prefix="user/default/")
         self._healing = _healing_transport(host, self.heal_timeout, island_id, self.secret, expect)
+        self._healing.present = self._present
         self._manager = Manager(
             pg=self._pg,
             load_state_dict=self._received_state,
@@ -154,7 +157,7 @@ class TorchftTransport(Transport):
         heal (the step unchanged by it) is not passed on: the island keeps its
         own state and takes part as usual.
         """
-        self._received, self._issued = None, False
+        self._received, self._issued, self._answered, self._absent = None, False, False, None
         start = time.monotonic()
         before = self._manager.current_step()
         deadline = start + min(self.quorum_timeout, timeout)
@@ -184,33 +187,43 @@ class TorchftTransport(Transport):
         return Healed(received, seconds)
 
     def _answer_roll_call(self, before: int, able: bool) -> None:
-        """The attempt's roll call (see the class): every member answers whether it can go on (``able``:
-        its quorum and any heal went through, or the heal was refused and it abstains). Where a member
-        does not answer in time, or cannot go on, an ``able`` member raises :class:`ExchangeError`,
-        having reported the failure so that the attempt does not commit, and leaves a heal of this
-        attempt unadopted: the island is put back at its step ``before`` it, to heal again."""
+        """The attempt's roll call (see the class), once this island's quorum (and any heal) is through:
+        ``able`` where it can go on (or its heal was refused: it abstains). Where a member is absent or
+        cannot go on, an ``able`` member raises :class:`ExchangeError`, having reported the failure so
+        that the attempt does not commit, and leaves a heal of this attempt unadopted: the island is
+        put back at its step ``before`` it, to heal again."""
+        if not self._answered:  # (a healing member answered before its download: _present)
+            self._absent = self._roll(float(self.roll_call), able)
+        if self._absent is None and self._manager._client.heals:  # all here: wait for the heals to end
+            self._absent = self._roll(float(self.roll_call) + self.heal_timeout, able)
+        if able and self._absent is not None:
+            self._manager.report_error(RuntimeError(self._absent))
+            if self._manager.current_step() != before:
+                self._manager.load_state_dict({**self._manager.state_dict(), "step": before})
+            raise ExchangeError(self._absent)
+
+    def _present(self) -> None:
+        """A healing member's answer to the roll call, before it downloads (in torchft's quorum thread)."""
+        self._answered = True
+        self._absent = self._roll(float(self.roll_call), True)
+        if self._absent is not None:
+            raise ExchangeError(self._absent)
+
+    def _roll(self, seconds: float, able: bool) -> str | None:
+        """One all-reduce of each member's inability (0 or 1) within ``seconds``: None where every member
+        answered able, else why not."""
         torch = _optional("torch")
         dist = _optional("torch.distributed")
-        seconds = float(self.roll_call) + (self.heal_timeout if self._manager._client.heals else 0.0)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         opts.timeout = timedelta(seconds=seconds)
         unable = torch.tensor([0.0 if able else 1.0])
-        self._sent += ring_bytes(4, int(self._manager.num_participants()), gather=False)
-        try:
+        try:  # (the group's size: the Manager's count of participants waits for the quorum thread)
+            self._sent += ring_bytes(4, int(self._pg.size()), gather=False)
             self._pg.allreduce([unable], opts).wait()
-            why = (
-                f"{float(unable[0]):g} member(s) of the quorum failed their quorum or heal"
-                if unable[0]
-                else None
-            )
-        except Exception as e:  # a member counted in the quorum is not there
-            why = f"a member of the quorum did not answer the roll call within {seconds:g} s: {e!r}"
-        if able and why is not None:
-            self._manager.report_error(RuntimeError(why))
-            if self._manager.current_step() != before:
-                self._manager.load_state_dict({**self._manager.state_dict(), "step": before})
-            raise ExchangeError(why)
+        except Exception as e:  # a member died, stalled, or was never there
+            return f"a member of the quorum did not answer within {seconds:g} s: {e!r}"
+        return f"{float(unable[0]):g} member(s) of the quorum cannot go on" if float(unable[0]) else None
 
     def allreduce(self, buf: np.ndarray) -> np.ndarray:
         torch = _optional("torch")
@@ -269,17 +282,7 @@ class TorchftTransport(Transport):
         return int(self._sent + served)
 
     def _vote(self, ok: bool) -> bool:
-        torch = _optional("torch")
-        dist = _optional("torch.distributed")
-        failed = torch.tensor([0.0 if ok else 1.0])
-        self._sent += ring_bytes(4, int(self._manager.num_participants()), gather=False)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        try:
-            self._pg.allreduce([failed], opts).wait()
-        except Exception:  # a member died or stalled past the timeout: no agreement
-            return False
-        return float(failed[0]) == 0.0
+        return self._roll(self.timeout, ok) is None
 
     def fall_behind(self) -> None:
         state = self._manager.state_dict()
@@ -383,6 +386,7 @@ def _healing_transport(
             self.deadline = time.monotonic() + heal_timeout
             self.seconds = 0.0
             self.refused: HealRefused | IslandRefused | None = None
+            self.present: Callable[[], None] | None = None
 
         def metadata(self) -> str:
             return self.server.url
@@ -398,6 +402,8 @@ def _healing_transport(
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any) -> Any:
             del src_rank, timeout
+            if self.present is not None:  # the roll call, before the download
+                self.present()
             start = time.monotonic()
             try:
                 state = heal_http.fetch(
