@@ -894,6 +894,15 @@ def test_torchft_transport_passes_on_only_a_heal_that_moves_the_step(heal_to, he
         assert got.state == {"from": "peer"}
 
 
+def test_torchft_transport_roll_call_defaults_to_5_s_or_the_timeout_and_refuses_nonpositive():
+    assert islands.torchft_transport("127.0.0.1:1").roll_call_seconds == 5.0
+    assert islands.torchft_transport("127.0.0.1:1", timeout=2.0).roll_call_seconds == 2.0
+    assert islands.torchft_transport("127.0.0.1:1", timeout=2.0, roll_call=7.0).roll_call_seconds == 7.0
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="`roll_call` must be > 0 seconds"):
+            islands.torchft_transport("127.0.0.1:1", roll_call=bad)
+
+
 def test_a_healing_state_crosses_http_raw_without_pickle():
     """The healing wire: nested dicts and lists of arrays (0-d, bfloat16, bool) and plain values, served on
     one address under a step, fetched within a deadline and a size limit; anything else is refused."""

@@ -92,12 +92,15 @@ class TorchftTransport(Transport):
     _absent: str | None = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        if self.roll_call is None:
-            self.roll_call = min(5.0, self.timeout)
         for name in ("timeout", "heal_timeout", "quorum_timeout", "connect_timeout", "requery", "roll_call"):
-            if not getattr(self, name) > 0:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:  # (roll_call may be None)
                 raise ValueError(f"`{name}` must be > 0 seconds; got {getattr(self, name)}.")
         self.secret = wire.check_secret(self.secret)
+
+    @property
+    def roll_call_seconds(self) -> float:
+        """``roll_call``, or its default: 5 s, or ``timeout`` where shorter."""
+        return min(5.0, self.timeout) if self.roll_call is None else self.roll_call
 
     @property
     def exchange_seconds(self) -> float:
@@ -117,7 +120,7 @@ class TorchftTransport(Transport):
             host, port, is_master=True, wait_for_workers=False, master_listen_fd=self._listener.fileno()
         )
         seconds = timedelta(seconds=self.timeout)
-        self._pg = _bound_gloo(host, seconds, connect=timedelta(seconds=float(self.roll_call)))
+        self._pg = _bound_gloo(host, seconds, connect=timedelta(seconds=self.roll_call_seconds))
         if expect is not None:  # torchft's Manager serves the island's state under "user/default"
             expect = expect._replace(prefix="user/default/")
         self._healing = _healing_transport(host, self.heal_timeout, island_id, self.secret, expect)
@@ -193,9 +196,9 @@ class TorchftTransport(Transport):
         that the attempt does not commit, and leaves a heal of this attempt unadopted: the island is
         put back at its step ``before`` it, to heal again."""
         if not self._answered:  # (a healing member answered before its download: _present)
-            self._absent = self._roll(float(self.roll_call), able)
+            self._absent = self._roll(self.roll_call_seconds, able)
         if self._absent is None and self._manager._client.heals:  # all here: wait for the heals to end
-            self._absent = self._roll(float(self.roll_call) + self.heal_timeout, able)
+            self._absent = self._roll(self.roll_call_seconds + self.heal_timeout, able)
         if able and self._absent is not None:
             self._manager.report_error(RuntimeError(self._absent))
             if self._manager.current_step() != before:
@@ -205,7 +208,7 @@ class TorchftTransport(Transport):
     def _present(self) -> None:
         """A healing member's answer to the roll call, before it downloads (in torchft's quorum thread)."""
         self._answered = True
-        self._absent = self._roll(float(self.roll_call), True)
+        self._absent = self._roll(self.roll_call_seconds, True)
         if self._absent is not None:
             raise ExchangeError(self._absent)
 
