@@ -201,8 +201,7 @@ class TorchftTransport(Transport):
             self._absent = self._roll(self.roll_call_seconds + self.heal_timeout, able)
         if able and self._absent is not None:
             self._manager.report_error(RuntimeError(self._absent))
-            if self._manager.current_step() != before:
-                self._manager.load_state_dict({**self._manager.state_dict(), "step": before})
+            self._step_to(before)
             raise ExchangeError(self._absent)
 
     def _present(self) -> None:
@@ -288,9 +287,13 @@ class TorchftTransport(Transport):
         return self._roll(self.timeout, ok) is None
 
     def fall_behind(self) -> None:
+        self._step_to(max(self._manager.current_step() - 1, 0))
+
+    def _step_to(self, step: int) -> None:
+        """Sets torchft's count of committed rounds (the step its quorum requests carry)."""
         state = self._manager.state_dict()
-        if state["step"] > 0:
-            self._manager.load_state_dict({**state, "step": state["step"] - 1})
+        if state["step"] != step:
+            self._manager.load_state_dict({**state, "step": step})
 
     def rounds_committed(self) -> int:
         return int(self._manager.current_step())
