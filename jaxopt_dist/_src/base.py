@@ -196,6 +196,32 @@ class LeafGroups:
                 out[i] = row
         return out
 
+    # One flat buffer in group order: elementwise work on all the leaves is one kernel, and each
+    # group's leaves are one contiguous run of it (their stack, raveled).
+
+    def concat(self, leaves: Any) -> jax.Array:
+        """The leaves raveled and concatenated group after group (1-D, empty if there are none)."""
+        parts = [jnp.ravel(leaves[i]) for ids in self.groups for i in ids]
+        return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+
+    def runs(self, flat: jax.Array, sizes: Any) -> list[jax.Array]:
+        """Per group, its run of ``flat`` (:meth:`concat` of leaves of ``sizes[i]`` entries) as
+        ``(leaves in the group, size)``; cut with :func:`cut`."""
+        rows_of = [(len(ids), int(sizes[ids[0]])) for ids in self.groups]
+        return [x.reshape(r) for x, r in zip(cut(flat, [g * s for g, s in rows_of]), rows_of)]
+
+    def join(self, runs: Any) -> jax.Array:
+        """Inverse of :meth:`runs`: per group its run ``(leaves in the group, size)``, back in one buffer."""
+        return jnp.concatenate([jnp.ravel(x) for x in runs]) if runs else jnp.zeros((0,), jnp.float32)
+
+    def split(self, flat: jax.Array, shapes: Any) -> list[jax.Array]:
+        """Inverse of :meth:`concat`: the leaves in leaf order, in ``shapes``, cut with :func:`unpack`."""
+        order = [i for ids in self.groups for i in ids]
+        out: list[Any] = [None] * self.count
+        for i, x in zip(order, unpack(flat, [shapes[i] for i in order])):
+            out[i] = x
+        return out
+
 
 # ----------------------------------------------------------------------------
 # Shared helpers with plain names (one definition each, used across modules).

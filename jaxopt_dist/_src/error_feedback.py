@@ -326,7 +326,7 @@ def _server_side(
 
 
 def onebit_allreduce(
-    leaves: Sequence[jax.Array],
+    stacks: Sequence[jax.Array],
     worker_errors: Sequence[jax.Array],
     server_errors: Sequence[jax.Array],
     num_workers: int,
@@ -334,7 +334,7 @@ def onebit_allreduce(
     *,
     caller: str | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-    r"""The mean of ``leaves`` over the workers through DeepSpeed's two-sided 1-bit all-reduce.
+    r"""The mean of leaves over the workers through DeepSpeed's two-sided 1-bit all-reduce.
 
     Per leaf, each worker flattens its float32 value, pads it with zeros to
     :math:`P` entries (:func:`onebit_padded_size`), adds its worker error
@@ -349,30 +349,32 @@ def onebit_allreduce(
     server error. The compressed chunks are all-gathered (one all-gather of
     every leaf); their concatenation, cut to the leaf's size, is the result.
 
+    The leaves come stacked by shape (see :class:`~jaxopt_dist._src.base.LeafGroups`),
+    so that the work runs once per leaf shape: stack ``j`` holds ``G_j`` leaves
+    of ``size_j`` entries each, raveled.
+
     Args:
-      leaves: this worker's float32 arrays.
-      worker_errors: per leaf, float32[P]; per-worker.
-      server_errors: per leaf, float32[P / n], the error of the chunk this
-        worker reduces; per-worker.
+      stacks: per group, this worker's float32 leaves ``(G_j, size_j)``.
+      worker_errors: per group, float32 ``(G_j, P_j)``; per-worker.
+      server_errors: per group, float32 ``(G_j, P_j / n)``, the errors of the
+        chunks this worker reduces; per-worker.
       num_workers: ``n``, the size of ``axis_name`` (at least 2: with one
         worker there is nothing to exchange).
       axis_name: the workers' axis.
       caller: names the transform in the unbound-axis error.
 
     Returns:
-      ``(means, new_worker_errors, new_server_errors)``: the results in the
-      leaves' shapes, bit-identical on every worker (typed replicated under
+      ``(means, new_worker_errors, new_server_errors)``, stacked as the inputs:
+      the results bit-identical on every worker (typed replicated under
       ``shard_map``), and the new errors (per-worker).
     """
     n = num_workers
-    groups = base.LeafGroups(leaves)  # the work runs once per leaf shape, on the group's leaves stacked
-    ms, wes, ses = groups.stack(leaves), groups.stack(worker_errors), groups.stack(server_errors)
-    sent = [jax.vmap(lambda m, e: _worker_side(m, e, n))(m, e) for m, e in zip(ms, wes)]  # rows (G, n, w)
-    widths = [r.shape[0] * r.shape[2] for r, _ in sent]
+    sent = [jax.vmap(lambda m, e: _worker_side(m, e, n))(m, e) for m, e in zip(stacks, worker_errors)]
+    widths = [r.shape[0] * r.shape[2] for r, _ in sent]  # rows (G, n, w)
     rows = jnp.concatenate([jnp.moveaxis(r, 0, 1).reshape(n, -1) for r, _ in sent], axis=1)
     received = comm.all_to_all(rows, axis_name, caller=caller)
     payload, new_se = [], []
-    for r, e in zip(base.cut(received, widths, axis=1), ses):
+    for r, e in zip(base.cut(received, widths, axis=1), server_errors):
         g = e.shape[0]
         (bits, scale), e = jax.vmap(lambda x, y: _server_side(x, y, n, axis_name))(
             jnp.moveaxis(r.reshape(n, g, -1), 1, 0), e
@@ -381,9 +383,9 @@ def onebit_allreduce(
         new_se.append(e)
     gathered = comm.all_gather_packed(payload, axis_name, caller=caller)
     out = []
-    for j, m in enumerate(ms):
+    for j, m in enumerate(stacks):
         bits, scales = gathered[2 * j], gathered[2 * j + 1]  # (n, G, chunk / 8), (n, G)
         signs = _pm(jnp.unpackbits(bits, axis=2, count=bits.shape[2] * 8).astype(bool))
         whole = jnp.moveaxis(signs * scales[:, :, None], 1, 0).reshape(m.shape[0], -1)
-        out.append(whole[:, : math.prod(m.shape[1:])].reshape(m.shape))
-    return groups.unstack(out), groups.unstack([e for _, e in sent]), groups.unstack(new_se)
+        out.append(whole[:, : m.shape[1]])
+    return out, [e for _, e in sent], new_se

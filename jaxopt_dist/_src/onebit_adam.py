@@ -31,7 +31,7 @@ With one worker there is nothing to exchange: as in DeepSpeed,
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -212,71 +212,84 @@ def onebit_adam(
         if use_wd and params is None:
             raise ValueError(base.no_params_message("onebit_adam", "with weight_decay"))
         g_leaves, treedef = jax.tree.flatten(updates)
-        mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-        g32 = [g.astype(jnp.float32) for g in g_leaves]
+        shapes = [jnp.shape(g) for g in g_leaves]
+        sizes = [math.prod(x) for x in shapes]
+        padded = [padded_size(x, n) for x in sizes]
+        # Every leaf in one flat float32 buffer per quantity, leaves of one shape side by side: the
+        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf shape on a run of
+        # the buffer, and the branches below carry five buffers, not five per leaf.
+        groups = base.LeafGroups(g_leaves, key=jnp.shape)
+        flat = lambda leaves: groups.concat([x.astype(jnp.float32) for x in leaves])  # noqa: E731
         hyper = [base.resolve(h, state.count) for h in (b1, b2, eps)]
         # 1 - beta in the hyperparameter's own precision (Python double for floats, as DeepSpeed).
         b1v, b2v, epsv, c1v, c2v = (jnp.asarray(h, jnp.float32) for h in (*hyper, 1 - hyper[0], 1 - hyper[1]))
 
-        def warmup(g32, mu, nu, we, se):
-            mean = comm.reduce(g32, axis_name, reduction="mean", flatten=True, caller="onebit_adam")
-            mu = [b1v * m + c1v * g for m, g in zip(mu, mean)]
-            nu = [b2v * v + c2v * g * g for v, g in zip(nu, mean)]
+        def warmup(g, mu, nu, we, se):
+            mean = comm.reduce(g, axis_name, reduction="mean", flatten=True, caller="onebit_adam")
+            mu = b1v * mu + c1v * mean
+            nu = b2v * nu + c2v * mean * mean
             return mu, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
 
-        def compressed(g32, mu, nu, we, se):
-            local = [b1v * m + c1v * g for m, g in zip(mu, g32)]
+        def compressed(g, mu, nu, we, se):
+            local = b1v * mu + c1v * g
             if n == 1:  # nothing to exchange (DeepSpeed skips the compressed all-reduce too)
                 local = comm.pmean(local, axis_name, caller="onebit_adam")  # a no-op: types it replicated
                 return local, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
-            mu, we, se = error_feedback.onebit_allreduce(local, we, se, n, axis_name, caller="onebit_adam")
-            return mu, nu, comm.to_varying(tuple(we), axis_name), comm.to_varying(tuple(se), axis_name)
+            runs = error_feedback.onebit_allreduce(
+                groups.runs(local, sizes),
+                groups.runs(we, padded),
+                groups.runs(se, [p // n for p in padded]),
+                n,
+                axis_name,
+                caller="onebit_adam",
+            )
+            mu, we, se = (groups.join(r) for r in runs)
+            return mu, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
 
         mu, nu, we, se = jax.lax.cond(
             state.count < freeze_step,
             warmup,
             compressed,
-            g32,
-            mu,
-            nu,
-            tuple(state.worker_error),
-            tuple(state.server_error),
+            flat(g_leaves),
+            flat(treedef.flatten_up_to(state.mu)),
+            flat(treedef.flatten_up_to(state.nu)),
+            flat(state.worker_error),
+            flat(state.server_error),
         )
-        out = _direction(mu, nu, state.count, b1v, b2v, epsv, freeze_step, bias_correction)
+        d = _direction(mu, nu, state.count, b1v, b2v, epsv, freeze_step, bias_correction)
+        if use_wd:
+            wd = base.resolve(weight_decay, state.count)
+            d = d + jnp.asarray(wd, jnp.float32) * flat(treedef.flatten_up_to(params))
         lr = base.resolve(learning_rate, state.count)
-        p_leaves: list[Any] = treedef.flatten_up_to(params) if use_wd else [None] * len(out)
-        wd = base.resolve(weight_decay, state.count) if use_wd else 0.0
-        final = []
-        for d, g, p in zip(out, g_leaves, p_leaves):
-            if use_wd:
-                d = d + jnp.asarray(wd, jnp.float32) * p.astype(jnp.float32)
-            final.append((-jnp.asarray(lr, jnp.float32) * d).astype(g.dtype))
-        return jax.tree.unflatten(treedef, final), OnebitAdamState(
+        final = groups.split(-jnp.asarray(lr, jnp.float32) * d, shapes)
+        return jax.tree.unflatten(
+            treedef, [u.astype(g.dtype) for u, g in zip(final, g_leaves)]
+        ), OnebitAdamState(
             count=jnp.asarray(optax.safe_increment(state.count)),
-            mu=jax.tree.unflatten(treedef, list(mu)),
-            nu=jax.tree.unflatten(treedef, list(nu)),
-            worker_error=tuple(we),
-            server_error=tuple(se),
+            mu=jax.tree.unflatten(treedef, groups.split(mu, shapes)),
+            nu=jax.tree.unflatten(treedef, groups.split(nu, shapes)),
+            worker_error=tuple(groups.split(we, [(p,) for p in padded])),
+            server_error=tuple(groups.split(se, [(p // n,) for p in padded])),
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _direction(
-    mu: list[jax.Array],
-    nu: list[jax.Array],
+    mu: jax.Array,
+    nu: jax.Array,
     count: jax.Array,
     b1: jax.Array,
     b2: jax.Array,
     eps: jax.Array,
     freeze_step: int,
     bias_correction: bool,
-) -> list[jax.Array]:
+) -> jax.Array:
     """``m / (sqrt(v) + eps)``, bias-corrected if asked."""
     if not bias_correction:
-        return [m / (jnp.sqrt(v) + eps) for m, v in zip(mu, nu)]
+        return mu / (jnp.sqrt(nu) + eps)
     t = (count + 1).astype(jnp.float32)
     tv = jnp.minimum(count + 1, max(freeze_step, 1)).astype(jnp.float32)
     c1 = 1 - b1**t
     c2 = 1 - b2**tv
-    return [(m / c1) / (jnp.sqrt(v / c2) + eps) for m, v in zip(mu, nu)]
+    return (mu / c1) / (jnp.sqrt(nu / c2) + eps)

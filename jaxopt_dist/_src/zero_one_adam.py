@@ -109,15 +109,16 @@ class ZeroOneAdamState(NamedTuple):
 
 
 class _Moments(NamedTuple):
-    """What a step reads and writes, as lists of float32 leaves (one branch of the switch)."""
+    """What a step reads and writes (one branch of the switch): every leaf in one flat float32
+    buffer per quantity (see :meth:`~jaxopt_dist._src.base.LeafGroups.concat`)."""
 
-    updates: list[jax.Array]
-    mu: list[jax.Array]
-    nu: list[jax.Array]
-    acc: list[jax.Array]
+    updates: jax.Array
+    mu: jax.Array
+    nu: jax.Array
+    acc: jax.Array
     lrs: jax.Array
-    worker_error: list[jax.Array]
-    server_error: list[jax.Array]
+    worker_error: jax.Array
+    server_error: jax.Array
 
 
 def zero_one_adam(
@@ -295,74 +296,86 @@ def zero_one_adam(
         k1, k2, one_minus_k1, one_minus_k2 = (f32(h) for h in (beta1, beta2, 1 - beta1, 1 - beta2))
         epsilon = f32(base.resolve(eps, count))
         decay = f32(base.resolve(weight_decay, count))
-        p32 = [p.astype(jnp.float32) for p in treedef.flatten_up_to(params)] if decays else []
+        # Every leaf in one flat buffer per quantity, leaves of one shape side by side: the
+        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf shape on a run of
+        # the buffer, and the switch carries seven buffers, not seven per leaf.
+        shapes = [jnp.shape(x) for x in grads]
+        sizes = [math.prod(x) for x in shapes]
+        padded = [error_feedback.onebit_padded_size(x, n) for x in sizes]
+        groups = base.LeafGroups(grads, key=jnp.shape)
+        flat = lambda leaves: groups.concat([x.astype(jnp.float32) for x in leaves])  # noqa: E731
+        p32 = flat(treedef.flatten_up_to(params)) if decays else None
 
         def momentum(mu, g):
-            return [k1 * m + one_minus_k1 * x for m, x in zip(mu, g)]
+            return k1 * mu + one_minus_k1 * g
 
-        def denominators(nu):
-            return [jnp.sqrt(v) + epsilon for v in nu]
+        def denominator(nu):
+            return jnp.sqrt(nu) + epsilon
 
-        def adam_steps(mu, nu):
-            out = []
-            for j, (m, d) in enumerate(zip(mu, denominators(nu))):
-                direction = m / d
-                if decays:
-                    direction = direction + decay * p32[j]
-                out.append(-lr * direction)
-            return out
+        def adam_step(mu, nu):
+            direction = mu / denominator(nu)
+            if p32 is not None:
+                direction = direction + decay * p32
+            return -lr * direction
 
         def variance(s: _Moments, g):
             mean = comm.reduce(
                 g, axis_name, reduction="mean", flatten=True, invariant_updates="mean", caller=_NAME
             )
             mu = momentum(s.mu, mean)
-            nu = [k2 * v + one_minus_k2 * x * x for v, x in zip(s.nu, mean)]
-            return s._replace(updates=adam_steps(mu, nu), mu=mu, nu=nu)
+            nu = k2 * s.nu + one_minus_k2 * mean * mean
+            return s._replace(updates=adam_step(mu, nu), mu=mu, nu=nu)
 
         def local(s: _Moments, g):
             mu = momentum(s.mu, g)
-            steps = adam_steps(mu, s.nu)
-            acc = [a + x for a, x in zip(s.acc, steps)]
-            return s._replace(updates=steps, mu=mu, acc=acc, lrs=s.lrs + lr)
+            step = adam_step(mu, s.nu)
+            return s._replace(updates=step, mu=mu, acc=s.acc + step, lrs=s.lrs + lr)
+
+        def exchange(sent, we, se):
+            """The 1-bit mean of ``sent`` and the new errors, once per leaf shape."""
+            runs = error_feedback.onebit_allreduce(
+                groups.runs(sent, sizes),
+                groups.runs(we, padded),
+                groups.runs(se, [p // n for p in padded]),
+                n,
+                axis_name,
+                caller=_NAME,
+            )
+            return tuple(groups.join(r) for r in runs)
 
         def onebit(s: _Moments, g):
             """A phase-A step without a variance update or a phase-B sync: one 1-bit all-reduce serves both."""
             syncs = count >= freeze  # phase B; replicated, so every worker takes the same side
             stepped = local(s, g)
-            d = denominators(s.nu)
-            sent = [jnp.where(syncs, a * x, y) for a, x, y in zip(stepped.acc, d, g)]
+            d = denominator(s.nu)
+            sent = jnp.where(syncs, stepped.acc * d, g)
             first = count == freeze  # the first phase-B step (always a sync): fresh error buffers
-            we = [jnp.where(first, jnp.zeros_like(e), e) for e in s.worker_error]
-            se = [jnp.where(first, jnp.zeros_like(e), e) for e in s.server_error]
-            mean = sent
-            if n > 1:
-                mean, we, se = error_feedback.onebit_allreduce(sent, we, se, n, axis_name, caller=_NAME)
+            we = jnp.where(first, jnp.zeros_like(s.worker_error), s.worker_error)
+            se = jnp.where(first, jnp.zeros_like(s.server_error), s.server_error)
+            mean, we, se = exchange(sent, we, se) if n > 1 else (sent, we, se)
             # Phase A: the momentum takes the 1-bit mean gradient.
             mu_a = momentum(s.mu, mean)
-            steps_a = adam_steps(mu_a, s.nu)
+            step_a = adam_step(mu_a, s.nu)
             # Phase B: the momentum re-estimated from the mean of the accumulated steps; p - a_old
             # (the parameters at the last sync, to rounding) + mean / d, as one update.
             total = stepped.lrs
-            mu_b = [jnp.where(total > 0, -(x / total), m) for x, m in zip(mean, stepped.mu)]
-            steps_b = [x / y - a for x, y, a in zip(mean, d, s.acc)]
-            pick = lambda b, a: [jnp.where(syncs, x, y) for x, y in zip(b, a)]  # noqa: E731
-            acc = [jnp.where(syncs, jnp.zeros_like(a), a) for a in s.acc]
+            mu_b = jnp.where(total > 0, -(mean / total), stepped.mu)
+            step_b = mean / d - s.acc
+            acc = jnp.where(syncs, jnp.zeros_like(s.acc), s.acc)
             lrs = jnp.where(syncs, jnp.zeros_like(s.lrs), s.lrs)
-            return _Moments(pick(steps_b, steps_a), pick(mu_b, mu_a), s.nu, acc, lrs, we, se)
+            pick = lambda b, a: jnp.where(syncs, b, a)  # noqa: E731
+            return _Moments(pick(step_b, step_a), pick(mu_b, mu_a), s.nu, acc, lrs, we, se)
 
         def typed(step):
             def branch(s: _Moments, g):
                 s = step(s, g)
-                vary = lambda x: comm.to_varying(list(x), axis_name)  # noqa: E731
-                return _Moments(
-                    vary(s.updates),
-                    vary(s.mu),
-                    list(s.nu),
-                    vary(s.acc),
-                    s.lrs,
-                    vary(s.worker_error),
-                    vary(s.server_error),
+                vary = lambda x: comm.to_varying(x, axis_name)  # noqa: E731
+                return s._replace(
+                    updates=vary(s.updates),
+                    mu=vary(s.mu),
+                    acc=vary(s.acc),
+                    worker_error=vary(s.worker_error),
+                    server_error=vary(s.server_error),
                 )
 
             return branch
@@ -378,26 +391,24 @@ def zero_one_adam(
         if not grads:  # nothing to optimise
             return updates, state._replace(count=jnp.asarray(optax.safe_increment(count)), **schedules)
         before = _Moments(
-            updates=[jnp.zeros(jnp.shape(x), jnp.float32) for x in grads],
-            mu=treedef.flatten_up_to(state.mu),
-            nu=treedef.flatten_up_to(state.nu),
-            acc=treedef.flatten_up_to(state.acc),
+            updates=jnp.zeros((sum(sizes),), jnp.float32),
+            mu=flat(treedef.flatten_up_to(state.mu)),
+            nu=flat(treedef.flatten_up_to(state.nu)),
+            acc=flat(treedef.flatten_up_to(state.acc)),
             lrs=state.lrs,
-            worker_error=list(state.worker_error),
-            server_error=list(state.server_error),
+            worker_error=flat(state.worker_error),
+            server_error=flat(state.server_error),
         )
-        g32 = [x.astype(jnp.float32) for x in grads]
-        after = jax.lax.switch(index, [typed(variance), typed(onebit), typed(local)], before, g32)
-        return jax.tree.unflatten(
-            treedef, [u.astype(x.dtype) for u, x in zip(after.updates, grads)]
-        ), ZeroOneAdamState(
+        after = jax.lax.switch(index, [typed(variance), typed(onebit), typed(local)], before, flat(grads))
+        leaves = lambda x: jax.tree.unflatten(treedef, groups.split(x, shapes))  # noqa: E731
+        return jax.tree.map(lambda u, x: u.astype(x.dtype), leaves(after.updates), updates), ZeroOneAdamState(
             count=jnp.asarray(optax.safe_increment(count)),
-            mu=jax.tree.unflatten(treedef, after.mu),
-            nu=jax.tree.unflatten(treedef, after.nu),
-            acc=jax.tree.unflatten(treedef, after.acc),
+            mu=leaves(after.mu),
+            nu=leaves(after.nu),
+            acc=leaves(after.acc),
             lrs=after.lrs,
-            worker_error=tuple(after.worker_error),
-            server_error=tuple(after.server_error),
+            worker_error=tuple(groups.split(after.worker_error, [(p,) for p in padded])),
+            server_error=tuple(groups.split(after.server_error, [(p // n,) for p in padded])),
             **schedules,
         )
 
