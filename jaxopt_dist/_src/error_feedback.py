@@ -349,8 +349,8 @@ def onebit_allreduce(
     server error. The compressed chunks are all-gathered (one all-gather of
     every leaf); their concatenation, cut to the leaf's size, is the result.
 
-    The leaves come stacked by shape (see :class:`~jaxopt_dist._src.base.LeafGroups`),
-    so that the work runs once per leaf shape: stack ``j`` holds ``G_j`` leaves
+    The leaves come stacked by size (see :class:`~jaxopt_dist._src.base.LeafGroups`),
+    so that the work runs once per leaf size: stack ``j`` holds ``G_j`` leaves
     of ``size_j`` entries each, raveled.
 
     Args:

@@ -215,10 +215,10 @@ def onebit_adam(
         shapes = [jnp.shape(g) for g in g_leaves]
         sizes = [math.prod(x) for x in shapes]
         padded = [padded_size(x, n) for x in sizes]
-        # Every leaf in one flat float32 buffer per quantity, leaves of one shape side by side: the
-        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf shape on a run of
+        # Every leaf in one flat float32 buffer per quantity, leaves of one size side by side: the
+        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf size on a run of
         # the buffer, and the branches below carry five buffers, not five per leaf.
-        groups = base.LeafGroups(g_leaves, key=jnp.shape)
+        groups = base.LeafGroups(g_leaves, key=jnp.size)
         flat = lambda leaves: groups.concat([x.astype(jnp.float32) for x in leaves])  # noqa: E731
         hyper = [base.resolve(h, state.count) for h in (b1, b2, eps)]
         # 1 - beta in the hyperparameter's own precision (Python double for floats, as DeepSpeed).

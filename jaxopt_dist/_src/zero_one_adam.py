@@ -296,13 +296,13 @@ def zero_one_adam(
         k1, k2, one_minus_k1, one_minus_k2 = (f32(h) for h in (beta1, beta2, 1 - beta1, 1 - beta2))
         epsilon = f32(base.resolve(eps, count))
         decay = f32(base.resolve(weight_decay, count))
-        # Every leaf in one flat buffer per quantity, leaves of one shape side by side: the
-        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf shape on a run of
+        # Every leaf in one flat buffer per quantity, leaves of one size side by side: the
+        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf size on a run of
         # the buffer, and the switch carries seven buffers, not seven per leaf.
         shapes = [jnp.shape(x) for x in grads]
         sizes = [math.prod(x) for x in shapes]
         padded = [error_feedback.onebit_padded_size(x, n) for x in sizes]
-        groups = base.LeafGroups(grads, key=jnp.shape)
+        groups = base.LeafGroups(grads, key=jnp.size)
         flat = lambda leaves: groups.concat([x.astype(jnp.float32) for x in leaves])  # noqa: E731
         p32 = flat(treedef.flatten_up_to(params)) if decays else None
 
@@ -332,7 +332,7 @@ def zero_one_adam(
             return s._replace(updates=step, mu=mu, acc=s.acc + step, lrs=s.lrs + lr)
 
         def exchange(sent, we, se):
-            """The 1-bit mean of ``sent`` and the new errors, once per leaf shape."""
+            """The 1-bit mean of ``sent`` and the new errors, once per leaf size."""
             runs = error_feedback.onebit_allreduce(
                 groups.runs(sent, sizes),
                 groups.runs(we, padded),
