@@ -211,10 +211,13 @@ def zero_one_adam(
       Needs whole leaves on the 1-bit steps: each leaf is flattened, padded
       and cut into one chunk per worker, with a scale from its whole norm, so
       the compiler moves entries over the model axes into that layout and
-      back. The moments, the accumulator and the dense variance all-reduce
-      are elementwise, sharded like the parameters; the flat error buffers
-      (the state's ``FLAT_BUFFERS``) are split along their length over the
-      model axes. The exchanges run over the data axis, per replica.
+      back. The moments and the accumulator are kept sharded like the
+      parameters, but a step works on every leaf packed into one flat buffer
+      per quantity (one kernel per operation, a small program to compile), so
+      the compiler moves their entries over the model axes into those buffers
+      and back; the flat error buffers (the state's
+      ``FLAT_BUFFERS``) are split along their length over the model axes. The
+      exchanges run over the data axis, per replica.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
