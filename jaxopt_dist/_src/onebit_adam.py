@@ -150,8 +150,11 @@ def onebit_adam(
     Sharded parameters:
       Needs whole leaves: each leaf is flattened, padded and cut into one
       chunk per worker, with a scale from its whole norm, so the compiler moves
-      entries over the model axes into that layout and back (``mu`` and ``nu``
-      stay sharded like the parameters). The flat error buffers (the state's
+      entries over the model axes into that layout and back. ``mu`` and ``nu``
+      are kept sharded like the parameters, but a step works on every leaf
+      packed into one flat buffer per quantity (one kernel per operation, a
+      small program to compile), so their entries move into those buffers and
+      back on every step, warm-up included. The flat error buffers (the state's
       ``FLAT_BUFFERS``) are split along their length over the model axes. The
       exchanges above run over the data axis, per replica; the output is that
       of replicated parameters, to float rounding of the norms.
