@@ -839,10 +839,12 @@ def _host_faults(c: chaos.Cluster, repeats: int, timeout: float = 240.0) -> list
 
 
 def _healed(rows: list[dict[str, Any]], fired: list[dict[str, Any]]) -> list[bool]:
-    """For each fault, whether its island logged a healed round after it and before the next (or the end)."""
+    """For each fault, whether its island logged a round it healed or caught up in after it and before the
+    next (or the end)."""
     times = [f["time"] for f in fired] + [float("inf")]
+    back = [r for r in _rounds(rows) if r["healed"] or r.get("caught_up")]
     return [
-        any(r["healed"] and r["island"] == str(f["island"]) and t < r["time"] < end for r in _rounds(rows))
+        any(r["island"] == str(f["island"]) and t < r["time"] < end for r in back)
         for f, t, end in zip(fired, times, times[1:])
     ]
 

@@ -44,7 +44,8 @@ second) are shown only with ``--verbose`` (they are torchft's Rust logging,
 ``--log`` gets one JSON line per synchronisation, and nothing else (the same lines go
 to stdout): ``island`` (the id, a
 string), ``round``, ``step``, ``fragment``, ``participants`` (ids, strings),
-``weights``, ``healed``, ``redone``, ``seconds`` (the round, from its first
+``weights``, ``healed`` (took a peer's state, weight 0), ``caught_up`` (was
+late: took a peer's state and its own work was merged), ``redone``, ``seconds`` (the round, from its first
 quorum to its commit), ``quorum_seconds``, ``heal_seconds``,
 ``exchange_seconds`` and ``vote_seconds`` (the longest wait of each kind in the
 round), ``backoff_seconds`` (the pauses between its attempts), ``waited``
@@ -646,6 +647,7 @@ def run_island(args: argparse.Namespace) -> int:
             participants=[str(i) for i in rec.participants],
             weights=list(rec.weights),
             healed=rec.healed,
+            caught_up=rec.caught_up,
             redone=rec.redone,
             seconds=round(rec.seconds, 4),
             quorum_seconds=round(rec.quorum_seconds, 4),

@@ -145,6 +145,25 @@ def island(step: Any, transport: Transport, *, island_id: int, **options: Any) -
     same anchor, bit for bit (under ``eager``, the same merged mean; each
     island's anchor is its own, :meth:`Island.model`).
 
+    Late islands: where a round forms without an island (the lighthouse's
+    ``min_islands`` and join timeout let the others go on without one that is
+    slower, or stopped), that island keeps its inner steps and catches up in
+    the next round it joins: it takes the round's state from a peer, as a
+    heal does (anchor, outer and inner optimizer states, step count), and its
+    own pseudo-gradient :math:`\Delta_i = \theta^{\text{anchor}}_{i} - \theta_i`,
+    taken against the anchor it last synchronised to, enters the merge with
+    its weight (1, or its tokens since it last synchronised). The members
+    then apply the merged :math:`\sum_i w_i \Delta_i / \sum_i w_i` to the
+    current anchor with the outer optimizer, as in any round: a stale
+    pseudo-gradient applied to the newer anchor, as asynchronous Local-SGD
+    does (Liu et al., "Asynchronous Local-SGD Training for Language
+    Modeling", arXiv 2401.09135), without a discount for its age. Its record
+    says ``caught_up`` (not ``healed``). An island heals with weight 0 only
+    where its work cannot count: in its join round (a fresh or restarted
+    process), after its anchor was found to differ from the majority's, or
+    where the round does not merge plain pseudo-gradients at once (``eager``,
+    ``sync_delay >= 1``, encoded aggregates, robust rules).
+
     Call :meth:`Island.init` once (it joins the others and heals if they are
     ahead), then the island like the step; :meth:`Island.finish` at the end.
 

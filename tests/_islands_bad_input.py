@@ -95,7 +95,7 @@ def bound(t, i: int, serve, expect=None) -> protocol.RoundProtocol:
 def rounds(p: protocol.RoundProtocol, fragments: list) -> list:
     """Rounds of ``p``'s island, one per fragment (None: a join), each as a JSON-able dict."""
 
-    def adopt(got):  # a healed island weighs 0 in the round; it now holds its source's anchor
+    def adopt(got, own):  # a healed island weighs 0 in the round; it now holds its source's anchor
         return protocol.Adopted(got.state, protocol.Contribution(0, [np.zeros(4, np.float32)], 0.0, AGREED))
 
     out = []

@@ -555,6 +555,94 @@ def test_tokens_weights_are_fixed_when_the_round_launches(variant):
         assert len(out[i]) >= 3
 
 
+# ------------------------------------------------------------- late islands
+LR, OUTER_LR, MU = 0.1, 0.7, 0.9
+
+
+def _late_reference(rounds, steps_of, n=N):
+    """Islands with SGD inside and Nesterov SGD outside, one explicit loop over rounds and islands.
+
+    ``rounds``: per committed round (the join excluded), its members. An island trains from the anchor of
+    the last round it was a member of (or the start), on its batches at the step counts it holds
+    (``steps_of(i, r)``: those of its contribution to round ``r``); a round merges its members' pseudo-
+    gradients, each against the anchor it started from, with weight H, and applies the mean to the
+    current anchor. Returns the anchor after each round (NumPy)."""
+    grad = jax.jit(jax.grad(_loss))
+    anchor = {k: np.asarray(v, np.float64) for k, v in _params().items()}
+    base = dict.fromkeys(range(n), 0)  # the round whose anchor each island trains from
+    anchors, momentum = [anchor], {k: np.zeros_like(v) for k, v in anchor.items()}
+    for r, members in enumerate(rounds, start=1):
+        deltas = []
+        for i in members:
+            start = anchors[base[i]]
+            p = {k: np.asarray(v, np.float32) for k, v in start.items()}
+            for t in steps_of(i, r):
+                g = grad(p, _batch(i, t))
+                p = {k: np.asarray(p[k] - np.float32(LR) * np.asarray(g[k]), np.float32) for k in p}
+            deltas.append({k: start[k] - p[k] for k in p})
+        mean = {k: sum(d[k] for d in deltas) / len(deltas) for k in anchor}
+        momentum = {k: mean[k] + MU * momentum[k] for k in anchor}
+        anchor = {k: anchor[k] - OUTER_LR * (mean[k] + MU * momentum[k]) for k in anchor}
+        anchors.append(anchor)
+        for i in members:
+            base[i] = r
+    return anchors
+
+
+def test_a_late_island_is_merged_not_healed():
+    """Island 2 is held before its second launch until islands 0 and 1 have committed round 2 without
+    it (they form it after the join timeout). Released, it asks first, and round 3 forms with all three:
+    island 2 catches up (``caught_up``, not ``healed``): it takes the round's state from a peer and its
+    own pseudo-gradient, taken from round 1's anchor, is merged with its weight (H tokens), as the explicit
+    loop over islands computes. Every anchor after every round is the loop's; all three end identical."""
+    make_tx = lambda: jd.diloco(  # noqa: E731
+        optax.sgd(LR), sync_every=H, outer=optax.sgd(OUTER_LR, momentum=MU, nesterov=True)
+    )
+    steps = 4 * H
+    hub, out = islands.LocalHub(min_islands=N, join_timeout=60.0), {}
+    go = threading.Event()
+
+    def release(rec, p, s):  # island 0's rounds: only round 2 forms without waiting for every live island
+        if rec.round == 1:
+            hub.min_islands, hub.join_timeout = 2, 0.3
+        if rec.round == 2:
+            hub.join_timeout = 60.0
+            go.set()
+
+    class Held(islands.LocalTransport):
+        def quorum(self, timeout):
+            if self.committed == 2 and not go.is_set():  # its second launch: round 2 forms without it
+                assert go.wait(60)
+            return super().quorum(timeout)
+
+    kw = dict(rule="tokens", tokens_per_step=1.0)
+    _run_threads(
+        [
+            (_island_thread, (0, make_tx, hub.transport(), steps, out, release), kw),
+            (_island_thread, (1, make_tx, hub.transport(), steps, out), kw),
+            (_island_thread, (2, make_tx, Held(hub), steps, out), kw),
+        ]
+    )
+    members = {rec.round: rec.participants for rec, _ in out[0]}
+    assert members == {1: (0, 1, 2), 2: (0, 1), 3: (0, 1, 2), 4: (0, 1, 2)}, members
+    late = {rec.round: rec for rec, _ in out[2]}
+    assert sorted(late) == [1, 3, 4]
+    assert late[3].caught_up and not late[3].healed and late[3].weights == (H, H, H)
+    assert not any(rec.healed for i in range(N) for rec, _ in out[i]), [
+        (i, r.round, r.weights) for i in range(N) for r, _ in out[i] if r.healed
+    ]
+    assert [rec.round for i in (0, 1) for rec, _ in out[i] if rec.caught_up] == []
+
+    def steps_of(i, r):  # island 2's contribution to round 3 is its steps of round 2's count
+        return range((2 if (i, r) == (2, 3) else r) * H - H, (2 if (i, r) == (2, 3) else r) * H)
+
+    ref = _late_reference([members[r] for r in (1, 2, 3, 4)], steps_of)
+    for i in range(N):
+        for rec, anchor in out[i]:
+            _assert_close_to(anchor, ref[rec.round], tol=2e-6)
+    assert len({out[i][-1][0].anchor_sha256 for i in range(N)}) == 1
+
+
 def test_an_island_rejects_a_donating_step():
     """A donating step would consume the state a peer heals from while the next steps run."""
     tx = jd.diloco(optax.sgd(0.1), sync_every=2)

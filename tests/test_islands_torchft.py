@@ -210,10 +210,14 @@ def test_kills_stops_and_restarts(tmp_path):
         assert h["weights"][h["participants"].index(str(i))] == 0.0
         nxt = [r for r in _rounds(rows, i) if r["round"] == h["round"] + 1][0]
         assert nxt["weights"][nxt["participants"].index(str(i))] == 1.0
-    # A stopped island is left out within the same bound (its heartbeats stop too), then heals.
+    # A stopped island is left out within the same bound (its heartbeats stop too), then catches up:
+    # it takes the others' anchor and its inner steps are merged (weight 1), not thrown away.
     stop = _event_time(cluster, "SIGSTOP", 2)
     assert _first_after(rows, stop, 0, without=2)["time"] - stop < _exclusion_bound(rows, stop)
-    assert any(r["healed"] and r["time"] > stop for r in _rounds(rows, 2))
+    back = [r for r in _rounds(rows, 2) if r["time"] > stop and (r["healed"] or r["caught_up"])]
+    assert back and back[0]["caught_up"] and back[0]["weights"][back[0]["participants"].index("2")] == 1.0, (
+        back
+    )
     done = [r for r in rows if r.get("done")]
     assert len(done) == 3 and done[0]["val_loss"] < _rounds(rows, 0)[0]["val_loss"]
 

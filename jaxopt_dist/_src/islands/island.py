@@ -40,7 +40,8 @@ class SyncRecord:
       fragment: the fragment exchanged.
       participants: the islands in the round, by id.
       weights: their weights, in the same order.
-      healed: whether this island healed from a peer in this round (weight 0).
+      healed: whether this island healed from a peer in this round (weight 0):
+        it had just joined, or its anchor differed from the others'.
       redone: how many times the exchange was run again (attempts after the first).
       anchor_sha256: SHA-256 of the anchor's float32 bytes after the round
         (leaves in tree order): equal on every participant, except under
@@ -65,6 +66,11 @@ class SyncRecord:
         :mod:`.heal_http`, its source's claimed id where it gives one).
       sent_bytes: the bytes this island has put on the wire so far, as its
         transport counts them (0 where it counts none).
+      caught_up: whether this island was late to the round (the others had
+        committed rounds without it) and caught up: it took the round's state
+        from a peer, as a heal does, and its own pseudo-gradient, taken from
+        the anchor it last synchronised to, was merged with its weight (see
+        :func:`jaxopt_dist.islands.island`, "Late islands").
     """
 
     round: int
@@ -85,6 +91,7 @@ class SyncRecord:
     waited_seconds: float = 0.0
     rejected: tuple[tuple[int | None, str], ...] = ()
     sent_bytes: int = 0
+    caught_up: bool = False
 
 
 def anchor_sha256(opt_state: Any) -> str:
@@ -320,17 +327,33 @@ class Island:
         outcome = self._protocol.run(c, self._adopt) if self._lead else None
         return self._share(outcome, params, opt_state)
 
-    def _adopt(self, got: Healed) -> protocol.Adopted:
+    def _adopt(self, got: Healed, own: protocol.Contribution | None) -> protocol.Adopted:
         """A healing state received in a round, made this island's (round thread): the trees, and the
-        round's contribution from them (zeros: a healed island weighs 0)."""
+        round's contribution: ``own`` where the island was only late (:meth:`_merges_late`), else zeros
+        (a healed island weighs 0)."""
         assert self._healing is not None
         params, state = self._healing.adopt(got.state)
         f = self._fragment_of(state)
+        if own is not None and self._merges_late(own, f):
+            return protocol.Adopted((params, state), own._replace(digest=self._agreed(state)), late=True)
         zeros = [] if f is None else [np.zeros(x.shape, x.dtype) for x in self._fragment_leaves(state, f)]
         c = protocol.Contribution(f, zeros, 0.0, self._agreed(state))
         if (self._encoded or self._rows is not None) and f is not None:  # weight 0: no message; the
             c = c._replace(agg_state=state.aggregate_states[f])  # state reads the others' (or rows)
         return protocol.Adopted((params, state), c)
+
+    def _merges_late(self, own: protocol.Contribution, f: int | None) -> bool:
+        """Whether a late island's own contribution enters the round it catches up in: it trained since
+        it last synchronised, on the fragment the round exchanges, and the round lands at once and
+        merges plain pseudo-gradients (no per-island anchors, encoded messages or robust rows)."""
+        plain = not (self.exchange.eager or self._encoded or self._rows is not None)
+        return (
+            plain
+            and self.exchange.land is not None
+            and f is not None
+            and own.fragment == f
+            and own.tokens > 0
+        )
 
     def _fragment_of(self, opt_state: Any) -> int | None:
         """The fragment a state (just after a send) waits to exchange; None for one that never stepped."""
@@ -358,6 +381,7 @@ class Island:
     def _land(self, o: protocol.Outcome, params: Any, opt_state: Any) -> tuple[Any, Any]:
         """Writes a committed round into the state (after taking the healing state, if it healed)."""
         assert self._programs is not None
+        own_agg = self._own_agg if o.healed is None or self._caught_up(o) else None
         if o.healed is not None:  # checked against this island's shapes when it arrived
             params, opt_state = landing.place_healed(o.healed, params, opt_state)
             self._t, self._own_agg, self._steps = None, None, 0
@@ -372,8 +396,8 @@ class Island:
         aggs = list(opt_state.aggregate_states)
         if o.agg_state is not None:  # a robust rule's state after the round, the same on every member
             aggs[f] = jax.tree.map(lambda n, x: jax.device_put(n, x.sharding), o.agg_state, aggs[f])
-        elif o.healed is None:  # the residual this island's own send left (a healed one owes nothing)
-            aggs[f] = self._own_agg
+        elif own_agg is not None:  # the residual this island's own send left (a healed one owes nothing)
+            aggs[f] = own_agg
         s = opt_state._replace(aggregate_states=tuple(aggs))
         if self.exchange.land is None:  # the applying step reads it
             s = landing.with_pending(s, f, delta)
@@ -384,6 +408,15 @@ class Island:
         params, s = self._programs.land_now(f, delta, params, s)
         self._record(o, params, s)
         return params, s
+
+    def _caught_up(self, o: protocol.Outcome) -> bool:
+        """Whether this island caught up in round ``o``: it took a peer's state and its weight is not 0."""
+        m = o.merged
+        return (
+            o.healed is not None
+            and self.island_id in m.participants
+            and m.weights[m.participants.index(self.island_id)] > 0
+        )
 
     def _agreed(self, opt_state: Any) -> str:
         """The digest the members of a round must agree on: the anchor, or under ``eager`` ``pending``."""
@@ -398,7 +431,7 @@ class Island:
             fragment=o.fragment,
             participants=tuple(o.merged.participants),
             weights=tuple(o.merged.weights),
-            healed=o.healed is not None,
+            healed=o.healed is not None and not self._caught_up(o),
             redone=o.redone,
             anchor_sha256=anchor,
             seconds=o.seconds,
@@ -411,6 +444,7 @@ class Island:
             waited_seconds=w.waited,
             rejected=tuple((r.island, r.reason) for r in o.rejected),
             sent_bytes=self.transport.sent_bytes() if self._lead else 0,
+            caught_up=self._caught_up(o),
         )
         self.records.append(rec)
         self._digest = rec.agreed_sha256

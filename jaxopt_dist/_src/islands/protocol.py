@@ -3,7 +3,7 @@
 torchft's ``Manager`` plays this part for torch: here one round is, on every
 island, attempts of::
 
-    healed = transport.quorum(timeout)   # a lagging island heals here (weight 0)
+    healed = transport.quorum(timeout)   # a lagging island heals here (weight 0), or catches up (its own weight)
     merged = unpack(transport.allreduce(pack(...)))
     # where the sum is not finite, at once, to find and drop the island that sent a NaN or an infinity:
     merged = combine(transport.allgather(seal(...)))
@@ -168,10 +168,14 @@ class Contribution(NamedTuple):
 
 
 class Adopted(NamedTuple):
-    """A healing state made this island's: host ``(params, opt_state)`` and the round's new contribution."""
+    """A healing state made this island's: host ``(params, opt_state)`` and the round's new contribution.
+
+    ``late``: the island was only late (it missed rounds, its anchor one the others held): the
+    contribution is its own pseudo-gradient, merged with its weight; else it weighs 0."""
 
     trees: Any
     contribution: Contribution
+    late: bool = False
 
 
 @dataclasses.dataclass
@@ -265,12 +269,14 @@ class RoundProtocol:
         self.nonce = secrets.randbelow(2**merge.NONCE_BITS)
         self.joined: int | None = None  # the round this process joined the others in
 
-    def run(self, c: Contribution, adopt: Callable[[Healed], Adopted]) -> Outcome:
-        """One round: attempts until one commits. ``adopt`` makes a healing state this island's (and may
-        refuse it). Raises :class:`IslandsError` (having left) when the round cannot commit in time."""
+    def run(self, c: Contribution, adopt: Callable[[Healed, Contribution | None], Adopted]) -> Outcome:
+        """One round: attempts until one commits. ``adopt(healed, own)`` makes a healing state this
+        island's (and may refuse it); ``own`` is the island's contribution, which it may keep where it
+        was only late (None once its anchor was found to differ from the others': its work is void).
+        Raises :class:`IslandsError` (having left) when the round cannot commit in time."""
         start = time.monotonic()
         deadline = start + self.round_timeout
-        healed, waits, refusals = None, Waits(), []
+        healed, late, void, waits, refusals = None, False, False, Waits(), []
         for attempt in range(2**31):
             verdict, done, abstained = Verdict(False), None, False
             try:
@@ -281,9 +287,9 @@ class RoundProtocol:
                     abstained = self._abstain(waits)
                     raise
                 if got is not None:
-                    adopted = adopt(got)
-                    healed, c = adopted.trees, adopted.contribution
-                done = self._exchange(c, healed is not None, waits)
+                    adopted = adopt(got, None if void else c)
+                    healed, c, late = adopted.trees, adopted.contribution, adopted.late
+                done = self._exchange(c, healed is not None, waits, weighs=healed is None or late)
                 verdict = self._check(done.merged, healed is not None)
             except ExchangeError as e:
                 verdict = Verdict(False, str(e))
@@ -304,6 +310,7 @@ class RoundProtocol:
                 self.transport.close()
                 raise verdict.leave
             if verdict.heal:
+                void = True
                 self._fall_behind(verdict.reason)
             self._pause(attempt, deadline, waits, verdict.reason)
         raise AssertionError("unreachable")
@@ -324,8 +331,12 @@ class RoundProtocol:
             self.joined = self.transport.rounds_committed()
         return got
 
-    def _exchange(self, c: Contribution, healed: bool, waits: Waits) -> gather.Gathered:
-        weight = 0.0 if c.fragment is None else merge.island_weight(self.rule, healed=healed, tokens=c.tokens)
+    def _exchange(self, c: Contribution, healed: bool, waits: Waits, *, weighs: bool) -> gather.Gathered:
+        """The attempt's exchange; ``healed``: this island took a peer's state in the round; ``weighs``:
+        its contribution counts (it did not heal, or it was only late)."""
+        weight = (
+            0.0 if c.fragment is None else merge.island_weight(self.rule, healed=not weighs, tokens=c.tokens)
+        )
         if self.gather is not None:
             return self._gathered(c, weight, healed, waits, self.gather)
         buf = merge.pack(
