@@ -203,7 +203,10 @@ def test_kills_stops_and_restarts(tmp_path):
     # The round in flight when island 1 died inside its all-reduce is kept: redone among the survivors.
     r12 = [r for r in _rounds(rows, 0) if r["round"] == 12]
     assert len(r12) == 1 and "1" not in r12[0]["participants"] and r12[0]["redone"] >= 1
-    assert sorted(r["round"] for r in _rounds(rows, 0)) == list(range(1, 81))  # no round lost
+    # No round lost: island 0 took part in every round from its first (on a loaded machine its start may
+    # lag the others' past the join timeout: then it heals into round 2).
+    mine = sorted(r["round"] for r in _rounds(rows, 0))
+    assert mine[0] <= 2 and mine == list(range(mine[0], 81)), mine
     # Restarted islands heal with weight 0, with the survivors' anchor, then take part.
     for i in (1, 2):
         h = [r for r in _rounds(rows, i) if r["healed"]][0]
