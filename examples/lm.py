@@ -360,9 +360,7 @@ def _muon_optax(settings: Any) -> optax.GradientTransformation:
 
 
 def _muon(settings: Any) -> optax.GradientTransformation:
-    from jaxopt_dist._src import muon as muon_lib  # not exported yet (issue #43)
-
-    return muon_lib.muon(**_muon_kwargs(settings), num_workers=settings.replicas)
+    return jd.muon(**_muon_kwargs(settings), num_workers=settings.replicas)
 
 
 def _embeddings(params: Any) -> Any:
@@ -385,9 +383,7 @@ def _dion(settings: Any) -> optax.GradientTransformation:
 
 
 def _dion2(settings: Any) -> optax.GradientTransformation:
-    from jaxopt_dist._src import dion2 as dion2_lib  # not exported yet (issue #43)
-
-    return dion2_lib.dion2(
+    return jd.dion2(
         schedule(settings.muon_lr, settings),
         fraction=settings.dion2_fraction,
         weight_decay=settings.weight_decay,
