@@ -389,3 +389,51 @@ def onebit_allreduce(
         whole = jnp.moveaxis(signs * scales[:, :, None], 1, 0).reshape(m.shape[0], -1)
         out.append(whole[:, : m.shape[1]])
     return out, [e for _, e in sent], new_se
+
+
+class OnebitLayout:
+    """The flat float32 layout the 1-bit Adams step on: every leaf raveled into one buffer per
+    quantity, the leaves of one size side by side (:meth:`base.LeafGroups.concat`), so that their
+    elementwise maths is one kernel per operation and :func:`onebit_allreduce` runs once per leaf
+    size on a run of the buffer.
+
+    Args:
+      leaves: the gradient's leaves (their shapes set the layout).
+      num_workers: ``n``; the worker errors are padded to :func:`onebit_padded_size`.
+    """
+
+    def __init__(self, leaves: Sequence[Any], num_workers: int):
+        self.n = num_workers
+        self.shapes = [jnp.shape(x) for x in leaves]
+        self.sizes = [math.prod(s) for s in self.shapes]
+        self.padded = [onebit_padded_size(s, num_workers) for s in self.sizes]
+        self.groups = base.LeafGroups(list(leaves), key=jnp.size)
+
+    def flat(self, leaves: Sequence[Any]) -> jax.Array:
+        """Leaves in the layout's order, as one float32 buffer."""
+        return self.groups.concat([jnp.asarray(x).astype(jnp.float32) for x in leaves])
+
+    def leaves(self, flat: jax.Array) -> list[jax.Array]:
+        """Inverse of :meth:`flat`: the leaves in leaf order and shape (float32)."""
+        return self.groups.split(flat, self.shapes)
+
+    def errors(self, worker: jax.Array, server: jax.Array) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Flat worker and server errors, back to the state's per-leaf tuples."""
+        return (
+            tuple(self.groups.split(worker, [(p,) for p in self.padded])),
+            tuple(self.groups.split(server, [(p // self.n,) for p in self.padded])),
+        )
+
+    def allreduce(
+        self, flat: jax.Array, worker: jax.Array, server: jax.Array, axis_name: base.AxisName, caller: str
+    ) -> tuple[jax.Array, ...]:
+        """:func:`onebit_allreduce` of a flat buffer with its flat errors: ``(mean, worker, server)``."""
+        runs = onebit_allreduce(
+            self.groups.runs(flat, self.sizes),
+            self.groups.runs(worker, self.padded),
+            self.groups.runs(server, [p // self.n for p in self.padded]),
+            self.n,
+            axis_name,
+            caller=caller,
+        )
+        return tuple(self.groups.join(r) for r in runs)

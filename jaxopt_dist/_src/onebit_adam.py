@@ -215,14 +215,10 @@ def onebit_adam(
         if use_wd and params is None:
             raise ValueError(base.no_params_message("onebit_adam", "with weight_decay"))
         g_leaves, treedef = jax.tree.flatten(updates)
-        shapes = [jnp.shape(g) for g in g_leaves]
-        sizes = [math.prod(x) for x in shapes]
-        padded = [padded_size(x, n) for x in sizes]
-        # Every leaf in one flat float32 buffer per quantity, leaves of one size side by side: the
-        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf size on a run of
-        # the buffer, and the branches below carry five buffers, not five per leaf.
-        groups = base.LeafGroups(g_leaves, key=jnp.size)
-        flat = lambda leaves: groups.concat([x.astype(jnp.float32) for x in leaves])  # noqa: E731
+        # Every leaf in one flat float32 buffer per quantity: the branches below carry five buffers,
+        # not five per leaf.
+        layout = error_feedback.OnebitLayout(g_leaves, n)
+        flat = layout.flat
         hyper = [base.resolve(h, state.count) for h in (b1, b2, eps)]
         # 1 - beta in the hyperparameter's own precision (Python double for floats, as DeepSpeed).
         b1v, b2v, epsv, c1v, c2v = (jnp.asarray(h, jnp.float32) for h in (*hyper, 1 - hyper[0], 1 - hyper[1]))
@@ -238,15 +234,7 @@ def onebit_adam(
             if n == 1:  # nothing to exchange (DeepSpeed skips the compressed all-reduce too)
                 local = comm.pmean(local, axis_name, caller="onebit_adam")  # a no-op: types it replicated
                 return local, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
-            runs = error_feedback.onebit_allreduce(
-                groups.runs(local, sizes),
-                groups.runs(we, padded),
-                groups.runs(se, [p // n for p in padded]),
-                n,
-                axis_name,
-                caller="onebit_adam",
-            )
-            mu, we, se = (groups.join(r) for r in runs)
+            mu, we, se = layout.allreduce(local, we, se, axis_name, "onebit_adam")
             return mu, nu, comm.to_varying(we, axis_name), comm.to_varying(se, axis_name)
 
         mu, nu, we, se = jax.lax.cond(
@@ -264,15 +252,16 @@ def onebit_adam(
             wd = base.resolve(weight_decay, state.count)
             d = d + jnp.asarray(wd, jnp.float32) * flat(treedef.flatten_up_to(params))
         lr = base.resolve(learning_rate, state.count)
-        final = groups.split(-jnp.asarray(lr, jnp.float32) * d, shapes)
+        final = layout.leaves(-jnp.asarray(lr, jnp.float32) * d)
+        worker_error, server_error = layout.errors(we, se)
         return jax.tree.unflatten(
             treedef, [u.astype(g.dtype) for u, g in zip(final, g_leaves)]
         ), OnebitAdamState(
             count=jnp.asarray(optax.safe_increment(state.count)),
-            mu=jax.tree.unflatten(treedef, groups.split(mu, shapes)),
-            nu=jax.tree.unflatten(treedef, groups.split(nu, shapes)),
-            worker_error=tuple(groups.split(we, [(p,) for p in padded])),
-            server_error=tuple(groups.split(se, [(p // n,) for p in padded])),
+            mu=jax.tree.unflatten(treedef, layout.leaves(mu)),
+            nu=jax.tree.unflatten(treedef, layout.leaves(nu)),
+            worker_error=worker_error,
+            server_error=server_error,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

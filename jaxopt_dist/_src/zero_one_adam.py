@@ -299,14 +299,10 @@ def zero_one_adam(
         k1, k2, one_minus_k1, one_minus_k2 = (f32(h) for h in (beta1, beta2, 1 - beta1, 1 - beta2))
         epsilon = f32(base.resolve(eps, count))
         decay = f32(base.resolve(weight_decay, count))
-        # Every leaf in one flat buffer per quantity, leaves of one size side by side: the
-        # elementwise maths is one kernel, the 1-bit exchange runs once per leaf size on a run of
-        # the buffer, and the switch carries seven buffers, not seven per leaf.
-        shapes = [jnp.shape(x) for x in grads]
-        sizes = [math.prod(x) for x in shapes]
-        padded = [error_feedback.onebit_padded_size(x, n) for x in sizes]
-        groups = base.LeafGroups(grads, key=jnp.size)
-        flat = lambda leaves: groups.concat([x.astype(jnp.float32) for x in leaves])  # noqa: E731
+        # Every leaf in one flat float32 buffer per quantity: the switch carries seven buffers, not
+        # seven per leaf.
+        layout = error_feedback.OnebitLayout(grads, n)
+        flat = layout.flat
         p32 = flat(treedef.flatten_up_to(params)) if decays else None
 
         def momentum(mu, g):
@@ -334,18 +330,6 @@ def zero_one_adam(
             step = adam_step(mu, s.nu)
             return s._replace(updates=step, mu=mu, acc=s.acc + step, lrs=s.lrs + lr)
 
-        def exchange(sent, we, se):
-            """The 1-bit mean of ``sent`` and the new errors, once per leaf size."""
-            runs = error_feedback.onebit_allreduce(
-                groups.runs(sent, sizes),
-                groups.runs(we, padded),
-                groups.runs(se, [p // n for p in padded]),
-                n,
-                axis_name,
-                caller=_NAME,
-            )
-            return tuple(groups.join(r) for r in runs)
-
         def onebit(s: _Moments, g):
             """A phase-A step without a variance update or a phase-B sync: one 1-bit all-reduce serves both."""
             syncs = count >= freeze  # phase B; replicated, so every worker takes the same side
@@ -355,7 +339,7 @@ def zero_one_adam(
             first = count == freeze  # the first phase-B step (always a sync): fresh error buffers
             we = jnp.where(first, jnp.zeros_like(s.worker_error), s.worker_error)
             se = jnp.where(first, jnp.zeros_like(s.server_error), s.server_error)
-            mean, we, se = exchange(sent, we, se) if n > 1 else (sent, we, se)
+            mean, we, se = layout.allreduce(sent, we, se, axis_name, _NAME) if n > 1 else (sent, we, se)
             # Phase A: the momentum takes the 1-bit mean gradient.
             mu_a = momentum(s.mu, mean)
             step_a = adam_step(mu_a, s.nu)
@@ -394,7 +378,7 @@ def zero_one_adam(
         if not grads:  # nothing to optimise
             return updates, state._replace(count=jnp.asarray(optax.safe_increment(count)), **schedules)
         before = _Moments(
-            updates=jnp.zeros((sum(sizes),), jnp.float32),
+            updates=jnp.zeros((sum(layout.sizes),), jnp.float32),
             mu=flat(treedef.flatten_up_to(state.mu)),
             nu=flat(treedef.flatten_up_to(state.nu)),
             acc=flat(treedef.flatten_up_to(state.acc)),
@@ -403,15 +387,16 @@ def zero_one_adam(
             server_error=flat(state.server_error),
         )
         after = jax.lax.switch(index, [typed(variance), typed(onebit), typed(local)], before, flat(grads))
-        leaves = lambda x: jax.tree.unflatten(treedef, groups.split(x, shapes))  # noqa: E731
+        leaves = lambda x: jax.tree.unflatten(treedef, layout.leaves(x))  # noqa: E731
+        worker_error, server_error = layout.errors(after.worker_error, after.server_error)
         return jax.tree.map(lambda u, x: u.astype(x.dtype), leaves(after.updates), updates), ZeroOneAdamState(
             count=jnp.asarray(optax.safe_increment(count)),
             mu=leaves(after.mu),
             nu=leaves(after.nu),
             acc=leaves(after.acc),
             lrs=after.lrs,
-            worker_error=tuple(groups.split(after.worker_error, [(p,) for p in padded])),
-            server_error=tuple(groups.split(after.server_error, [(p // n,) for p in padded])),
+            worker_error=worker_error,
+            server_error=server_error,
             **schedules,
         )
 

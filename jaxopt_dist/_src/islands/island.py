@@ -424,6 +424,7 @@ class Island:
 
     def _record(self, o: protocol.Outcome, params: Any, opt_state: Any) -> None:
         anchor = anchor_sha256(opt_state)
+        caught_up = self._caught_up(o)
         w = o.waits
         rec = SyncRecord(
             round=o.round,
@@ -431,7 +432,7 @@ class Island:
             fragment=o.fragment,
             participants=tuple(o.merged.participants),
             weights=tuple(o.merged.weights),
-            healed=o.healed is not None and not self._caught_up(o),
+            healed=o.healed is not None and not caught_up,
             redone=o.redone,
             anchor_sha256=anchor,
             seconds=o.seconds,
@@ -444,7 +445,7 @@ class Island:
             waited_seconds=w.waited,
             rejected=tuple((r.island, r.reason) for r in o.rejected),
             sent_bytes=self.transport.sent_bytes() if self._lead else 0,
-            caught_up=self._caught_up(o),
+            caught_up=caught_up,
         )
         self.records.append(rec)
         self._digest = rec.agreed_sha256
